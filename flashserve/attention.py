@@ -1,0 +1,99 @@
+"""Attention metadata (built once per step, shared by every layer) and backend dispatch.
+
+A step's tokens are flattened: first the *decode* tokens (sequences that compute exactly one
+token this step, one per sequence), then the *prefill* tokens (chunks of two or more tokens per
+sequence). Each part goes to its own kernel; both read K/V from the paged cache after this
+step's K/V have been written into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each token; -1: padding, not stored
+    # decode part: tokens [0, num_decode_tokens), one per sequence
+    num_decode_tokens: int
+    decode_seq_lens: torch.Tensor | None  # [Bd] int32, KV length including the new token
+    decode_block_tables: torch.Tensor | None  # [Bd, M] int32
+    max_decode_seq_len: int
+    # prefill part: tokens [num_decode_tokens, T)
+    num_prefill_tokens: int
+    prefill_cu_seqlens_q: torch.Tensor | None  # [Bp+1] int32
+    prefill_seq_lens: torch.Tensor | None  # [Bp] int32, KV length including this chunk
+    prefill_block_tables: torch.Tensor | None  # [Bp, M] int32
+    max_prefill_query_len: int
+    max_prefill_seq_len: int
+
+
+def load_backend(name: str) -> SimpleNamespace:
+    """The three attention operations of a backend: write_kv, decode_attention,
+    prefill_attention, all with the signatures of ``kernels.reference``."""
+    if name == "torch":
+        from kernels import reference as ops
+
+        return SimpleNamespace(
+            write_kv=ops.write_kv,
+            decode_attention=ops.decode_attention,
+            prefill_attention=ops.prefill_attention,
+        )
+    if name == "triton":
+        from kernels.decode import decode_attention
+        from kernels.kv_write import write_kv
+        from kernels.prefill import prefill_attention
+
+        return SimpleNamespace(
+            write_kv=write_kv, decode_attention=decode_attention, prefill_attention=prefill_attention
+        )
+    raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
+
+
+class PagedAttention:
+    """Attention of one layer over its paged KV cache, with the backend chosen at start-up."""
+
+    def __init__(self, backend: SimpleNamespace, scale: float):
+        self.ops = backend
+        self.scale = scale
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            self.ops.decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_seq_lens,
+                meta.decode_block_tables,
+                self.scale,
+                max_seq_len=meta.max_decode_seq_len,
+                out=out[:nd],
+            )
+        if meta.num_prefill_tokens:
+            self.ops.prefill_attention(
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.prefill_cu_seqlens_q,
+                meta.prefill_seq_lens,
+                meta.prefill_block_tables,
+                self.scale,
+                max_query_len=meta.max_prefill_query_len,
+                max_seq_len=meta.max_prefill_seq_len,
+                out=out[nd:],
+            )
+        return out

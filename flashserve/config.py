@@ -1,0 +1,75 @@
+"""The one engine configuration object, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; resolved ("auto") values are filled in here.
+
+    model: a Hugging Face directory, a ``.gguf`` file, ``dummy:<preset>``, or None for the
+    embedded default model (SmolLM2-135M-Instruct).
+    """
+
+    model: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_kv_tokens: int | None = None  # KV pool size in tokens; None: from free memory
+    gpu_memory_utilization: float = 0.90
+    block_size: int = 16  # tokens per KV block
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False  # no CUDA graphs
+    seed: int = 0  # seeds dummy weights and unseeded requests' seeds
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device is cuda but torch sees no CUDA device")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < self.block_size:
+            raise ValueError(f"max_kv_tokens must be >= block_size ({self.block_size})")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")

@@ -1,0 +1,130 @@
+"""Plain-torch reference attention over the paged KV cache.
+
+This is both the ``torch`` attention backend (CPU and CUDA) and the ground truth the Triton
+kernels are tested against (call it on float64 tensors for that).
+
+Cache layout, shared with the Triton kernels: one pool per layer for K and one for V, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a sequence lives in block
+``block_table[t // block_size]`` at offset ``t % block_size``; its *slot* is
+``block * block_size + offset``.
+
+Grouped-query attention: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+Softmax is over ``scale * q.k``; the LSE returned is the natural-log log-sum-exp of those
+scaled scores, ``[tokens, num_q_heads]`` in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 marks a padding token that is not stored
+) -> None:
+    """Store each token's K and V at its cache slot."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [N, BS, Hkv, D]
+    block_table: torch.Tensor,  # [M] int
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, Hkv, D]
+    """One sequence's first ``seq_len`` cached tokens, contiguous."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    pages = cache[block_table[:num_blocks].long()]  # [nb, BS, Hkv, D]
+    return pages.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def attention(
+    q: torch.Tensor,  # [Tq, Hq, D]
+    k: torch.Tensor,  # [Tk, Hkv, D]
+    v: torch.Tensor,  # [Tk, Hkv, D]
+    scale: float,
+    causal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [Tq, Hq, D], lse [Tq, Hq]
+    """Attention of one sequence's queries, the last ``Tq`` of its ``Tk`` positions.
+
+    Computed in float32, or float64 when the inputs are float64.
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    group = hq // hkv
+    qf = q.to(acc).transpose(0, 1)  # [Hq, Tq, D]
+    kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tk, D]
+    vf = v.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Tq, Tk]
+    if causal:
+        q_pos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+        k_pos = torch.arange(tk, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, Tq]
+    out = torch.matmul(torch.exp(scores - lse[..., None]), vf)  # [Hq, Tq, D]
+    return out.transpose(0, 1), lse.transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B] int32, KV length including the new token
+    block_tables: torch.Tensor,  # [B, M] int32
+    scale: float,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """One query token per sequence attending to all of its cached tokens."""
+    del max_seq_len  # a hint for the kernels' split heuristic; the reference needs none
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return prefill_attention(
+        q, k_cache, v_cache, cu, seq_lens, block_tables, scale, out=out, return_lse=return_lse
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D], the sequences' query chunks back to back
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32, offsets of each sequence's chunk in q
+    seq_lens: torch.Tensor,  # [B] int32, KV length including this chunk
+    block_tables: torch.Tensor,  # [B, M] int32
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """Causal attention of each chunk over its sequence's cached context plus itself.
+
+    The chunk's own K/V must already be in the cache. Query ``i`` of a chunk of length ``n``
+    sits at position ``seq_len - n + i`` and sees positions ``<= `` that.
+    """
+    del max_query_len, max_seq_len
+    if out is None:
+        out = torch.empty_like(q)
+    lse_all = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b in range(len(lens)):
+        qs = q[cu[b] : cu[b + 1]]
+        if qs.shape[0] == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], lens[b])
+        v = gather_kv(v_cache, block_tables[b], lens[b])
+        o, lse = attention(qs, k, v, scale, causal=True)
+        out[cu[b] : cu[b + 1]] = o.to(out.dtype)
+        if return_lse:
+            if lse.dtype == torch.float64 and lse_all.dtype != torch.float64:
+                lse_all = lse_all.to(torch.float64)
+            lse_all[cu[b] : cu[b + 1]] = lse.to(lse_all.dtype)
+    return (out, lse_all) if return_lse else out

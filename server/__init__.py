@@ -1,0 +1,1 @@
+"""HTTP layer: FastAPI app, routes, schemas and error mapping. Never touches tensors."""
