@@ -48,7 +48,9 @@ def load_backend(name: str) -> SimpleNamespace:
         from kernels.prefill import prefill_attention
 
         return SimpleNamespace(
-            write_kv=write_kv, decode_attention=decode_attention, prefill_attention=prefill_attention
+            write_kv=write_kv,
+            decode_attention=decode_attention,
+            prefill_attention=prefill_attention,
         )
     raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
 

@@ -30,3 +30,16 @@ class RequestOutput:
     seed: int | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # set with finish_reason "error"
+
+
+@dataclass
+class Completion:
+    """A finished request, as the synchronous ``LLM.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float]
+    seed: int | None = None

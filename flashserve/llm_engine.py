@@ -1,0 +1,252 @@
+"""The engine: requests in, one scheduled step at a time, tokens out.
+
+``LLMEngine`` is single-threaded and synchronous; ``LLM`` drives it to completion for a list of
+prompts; ``flashserve.async_llm.AsyncLLM`` runs it on its own thread for the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from flashserve.block_manager import BlockManager
+from flashserve.config import EngineConfig
+from flashserve.detokenizer import IncrementalDetokenizer
+from flashserve.loader import load_model
+from flashserve.model_runner import ModelRunner, SampledToken
+from flashserve.outputs import Completion, RequestOutput, TokenOutput
+from flashserve.sampling_params import SamplingParams
+from flashserve.scheduler import Scheduler
+from flashserve.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """A validated request, ready to join the engine: its sequence plus output state."""
+
+    request_id: str
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+
+
+class LLMEngine:
+    """Owns the model runner, block manager and scheduler; ``step()`` runs one batch."""
+
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        loaded = load_model(
+            self.config.model,
+            self.config.device,
+            self.config.torch_dtype,
+            self.config.attention_backend,
+            self.config.seed,
+        )
+        self.model_name = loaded.name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(self.config, loaded.model, loaded.config)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._by_seq: dict[int, Request] = {}
+        self._seed_rng = random.Random(self.config.seed)
+        self._max_stop_len = 0
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Tokenize and validate; raises ValueError naming the problem. Changes no state."""
+        ids = self._prompt_ids(prompt)
+        total = len(ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens and max_new_tokens is "
+                f"{params.max_new_tokens}: together {total}, over the context length of "
+                f"{self.max_model_len} tokens"
+            )
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**63))
+        seq = Sequence(ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        return Request(request_id or uuid.uuid4().hex, seq, detok)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab]  # fmt: skip
+            if bad:
+                raise ValueError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt must not be empty")
+        return ids
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._by_seq[req.seq.seq_id] = req
+        self._max_stop_len = max(self._max_stop_len, *map(len, req.seq.params.stop), 0)
+        self.scheduler.add(req.seq)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:  # fmt: skip
+        req = self.make_request(prompt, params or SamplingParams(), request_id)
+        self.add(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.abort(req.seq.seq_id)
+        return self._close(req, FinishReason.ABORT, [])
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with an error (after a failed step); the engine carries on."""
+        outs = []
+        for req in list(self.requests.values()):
+            self.scheduler.abort(req.seq.seq_id)
+            out = self._close(req, "error", [])
+            out.error = error
+            outs.append(out)
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, append the sampled tokens; outputs of requests that got a
+        token (or finished)."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampling = [s for s in sched.seqs if s.samples_this_step]
+        tokens = self.runner.execute(sched.seqs)
+        self.scheduler.update(sched)
+        return [self._append(self._by_seq[s.seq_id], t) for s, t in zip(sampling, tokens)]
+
+    def _append(self, req: Request, tok: SampledToken) -> RequestOutput:
+        seq = req.seq
+        seq.append_token(tok.token_id, tok.logprob)
+        delta = req.detokenizer.add(tok.token_id)
+        req.text += delta
+        special = self.tokenizer.is_special(tok.token_id)
+        text = self.tokenizer.convert_ids_to_tokens([tok.token_id])[0] if special else delta
+        token = TokenOutput(tok.token_id, text, tok.logprob, special, self._top(tok))
+        reason = self._stop_reason(req, tok.token_id, len(delta))
+        if reason is None:
+            return self._output(req, [token], False, None)
+        self.scheduler.finish(seq, reason)
+        return self._close(req, reason, [token])
+
+    def _top(self, tok: SampledToken) -> list[tuple[int, str, float]] | None:
+        if tok.top is None:
+            return None
+        return [(i, self.tokenizer.decode([i], skip_special_tokens=False), lp) for i, lp in tok.top]
+
+    def _stop_reason(self, req: Request, token_id: int, delta_len: int) -> str | None:
+        seq, params = req.seq, req.seq.params
+        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            return FinishReason.EOS
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if params.stop and self._cut_stop_string(req, delta_len):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _cut_stop_string(self, req: Request, delta_len: int) -> bool:
+        """Find a stop string that this token's text completed; cut the output before it."""
+        start = max(0, len(req.text) - delta_len - self._max_stop_len + 1)
+        hits = [i for s in req.seq.params.stop if (i := req.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        req.text = req.text[: min(hits)]
+        return True
+
+    def _close(self, req: Request, reason: str, tokens: list[TokenOutput]) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        self._by_seq.pop(req.seq.seq_id, None)
+        return self._output(req, tokens, True, reason)
+
+    def _output(self, req: Request, tokens, finished: bool, reason: str | None) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=req.request_id,
+            new_tokens=tokens,
+            finished=finished,
+            finish_reason=reason,
+            generated_text=req.text,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_generated_tokens=seq.num_output_tokens,
+            seed=seq.params.seed,
+            prompt_token_ids=seq.prompt_token_ids,
+        )
+
+
+class LLM:
+    """Synchronous generation for a list of prompts, batched by the engine."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.engine = LLMEngine(config or EngineConfig(**kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, plist)]
+        for req in reqs:
+            self.engine.add(req)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [_completion(r) for r in reqs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:  # fmt: skip
+        """Outputs of one request as they come (the CLI's ``generate``)."""
+        rid = self.engine.add_request(prompt, params or SamplingParams())
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    yield out
+
+
+def _completion(req: Request) -> Completion:
+    seq = req.seq
+    return Completion(
+        request_id=req.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=list(seq.output_token_ids),
+        text=req.text,
+        finish_reason=seq.finish_reason,
+        logprobs=list(seq.output_logprobs),
+        seed=seq.params.seed,
+    )

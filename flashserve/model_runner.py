@@ -1,0 +1,206 @@
+"""Turns a scheduled step into device tensors, runs the model and samples.
+
+The runner owns the device state: the model, the paged KV cache (one K and one V pool per
+layer) and the sampler. It builds one ``AttentionMetadata`` per step, shared by every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flashserve.attention import AttentionMetadata
+from flashserve.config import EngineConfig
+from flashserve.sampler import Sampler
+from flashserve.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BYTES = 2 << 30  # default KV pool on CPU: 2 GiB (allocated lazily by the OS)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] int64, rows of the hidden states to sample from
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None  # (id, logprob) best first, when logprobs were asked
+
+
+class ModelRunner:
+    """Holds the model and its KV cache; ``execute`` runs one scheduled step."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config):
+        self.config = config
+        self.model = model
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        mc = model_config
+        self.kv_shape = (config.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_bytes_per_token = (
+            2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+            * torch.empty((), dtype=config.torch_dtype).element_size()
+        )  # fmt: skip
+        self.num_blocks = self._plan_num_blocks()
+        self.max_model_len = self._resolve_max_model_len()
+        self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
+        self.sampler = Sampler(mc.vocab_size, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max model len %d",
+            self.num_blocks, self.block_size, self.num_kv_tokens,
+            self.num_kv_tokens * self.kv_bytes_per_token / 2**30, self.max_model_len,
+        )  # fmt: skip
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _new_pool(self) -> torch.Tensor:
+        shape = (self.num_blocks, *self.kv_shape)
+        return torch.empty(shape, dtype=self.config.torch_dtype, device=self.device)
+
+    def _plan_num_blocks(self) -> int:
+        """Blocks in the KV pool: --max-kv-tokens, else what free memory allows."""
+        if self.config.max_kv_tokens is not None:
+            return self.config.max_kv_tokens // self.block_size
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            want = self.config.max_num_seqs * self._model_len_limit() * self.kv_bytes_per_token
+            budget = min(CPU_KV_BYTES, want)
+        num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
+        if num_blocks < 1:
+            raise RuntimeError("no memory left for the KV cache; lower --max-model-len or "
+                               "raise --gpu-memory-utilization")  # fmt: skip
+        return num_blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """Free device memory within --gpu-memory-utilization, less activations of a step."""
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        mc = self.model_config
+        tokens = self.config.max_num_batched_tokens
+        # activations of the widest step: a few hidden-size and MLP-size buffers per token,
+        # plus fp32 logits for up to max_num_seqs rows; doubled for the allocator's slack
+        act = tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size) * 4
+        act += self.config.max_num_seqs * mc.vocab_size * 4 * 3
+        return int(total * self.config.gpu_memory_utilization - used - 2 * act)
+
+    def _model_len_limit(self) -> int:
+        return self.config.max_model_len or self.model_config.max_position_embeddings
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self._model_len_limit()
+        if self.config.max_model_len and limit > self.model_config.max_position_embeddings:
+            logger.warning("max_model_len %d exceeds the model's %d positions",
+                           limit, self.model_config.max_position_embeddings)  # fmt: skip
+        if limit > self.num_kv_tokens:
+            logger.warning("KV pool holds %d tokens: max model len lowered from %d",
+                           self.num_kv_tokens, limit)  # fmt: skip
+            limit = self.num_kv_tokens
+        return limit
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def prepare(self, seqs: list[Sequence]) -> StepInputs:
+        """Flattened inputs of a step: decodes (one token each) first, then prefill chunks."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        q_lens: list[int] = []
+        sample_rows: list[int] = []
+        for seq in seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            q_lens.append(n)
+            if seq.samples_this_step:
+                sample_rows.append(len(ids) - 1)
+        pos = np.asarray(positions, dtype=np.int64)
+        slots = np.empty_like(pos)
+        offset = 0
+        for seq, n in zip(seqs, q_lens):
+            p = pos[offset : offset + n]
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots[offset : offset + n] = table[p // bs] * bs + p % bs
+            offset += n
+        nd = _count_leading_ones(q_lens)
+        dev = self.device
+        tensor = lambda x, dt: torch.as_tensor(x, dtype=dt).to(dev, non_blocking=True)
+        tables = _pad_tables([s.block_table for s in seqs])
+        decode_tables, prefill_tables = tables[:nd], tables[nd:]
+        cu = np.zeros(len(seqs) - nd + 1, dtype=np.int32)
+        np.cumsum(q_lens[nd:], out=cu[1:])
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            num_decode_tokens=nd,
+            decode_seq_lens=tensor(seq_lens[:nd], torch.int32) if nd else None,
+            decode_block_tables=tensor(decode_tables, torch.int32) if nd else None,
+            max_decode_seq_len=max(seq_lens[:nd], default=0),
+            num_prefill_tokens=len(ids) - nd,
+            prefill_cu_seqlens_q=tensor(cu, torch.int32) if len(seqs) > nd else None,
+            prefill_seq_lens=tensor(seq_lens[nd:], torch.int32) if len(seqs) > nd else None,
+            prefill_block_tables=tensor(prefill_tables, torch.int32) if len(seqs) > nd else None,
+            max_prefill_query_len=max(q_lens[nd:], default=0),
+            max_prefill_seq_len=max(seq_lens[nd:], default=0),
+        )
+        return StepInputs(
+            input_ids=tensor(ids, torch.int64),
+            positions=tensor(pos, torch.int64),
+            meta=meta,
+            sample_indices=tensor(sample_rows, torch.int64),
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence]) -> list[SampledToken]:
+        """Run one step over ``seqs`` (scheduled, decodes first); one sampled token for each
+        sequence whose chunk reaches its last token, in the order of ``seqs``."""
+        inputs = self.prepare(seqs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        sampling = [s for s in seqs if s.samples_this_step]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V] fp32
+        out = self.sampler(logits, self.sampler.prepare(sampling))
+        return _to_host(out)
+
+
+def _count_leading_ones(q_lens: list[int]) -> int:
+    n = 0
+    while n < len(q_lens) and q_lens[n] == 1:
+        n += 1
+    return n
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def _to_host(out) -> list[SampledToken]:
+    """One device-to-host transfer for everything the step returns."""
+    ids = out.token_ids.tolist()
+    lps = out.logprobs.tolist()
+    if out.top_ids is None:
+        return [SampledToken(i, lp, None) for i, lp in zip(ids, lps)]
+    top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+    return [
+        SampledToken(i, lp, list(zip(ti, tl))) for i, lp, ti, tl in zip(ids, lps, top_ids, top_lps)
+    ]
