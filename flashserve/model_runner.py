@@ -23,6 +23,20 @@ CPU_KV_BYTES = 2 << 30  # default KV pool on CPU: 2 GiB (allocated lazily by the
 
 
 @dataclass
+class HostInputs:
+    """A step's inputs as host lists, before they become device tensors."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]
+    seq_lens: list[int]  # [B] KV length after this step
+    q_lens: list[int]  # [B] tokens computed this step
+    block_tables: np.ndarray  # [B, M] int32, zero padded
+    num_decodes: int  # the first num_decodes sequences compute one token each
+    sample_rows: list[int]  # [N] token rows whose logits are sampled
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -56,6 +70,12 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len()
         self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and config.attention_backend == "triton":
+            if not config.enforce_eager:
+                from flashserve.cuda_graph import DecodeGraphs
+
+                self.graphs = DecodeGraphs(self)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max model len %d",
             self.num_blocks, self.block_size, self.num_kv_tokens,
@@ -68,7 +88,10 @@ class ModelRunner:
 
     def _new_pool(self) -> torch.Tensor:
         shape = (self.num_blocks, *self.kv_shape)
-        return torch.empty(shape, dtype=self.config.torch_dtype, device=self.device)
+        # zeros on CUDA: padded rows of a captured decode batch read block 0 and must see finite
+        # values; on the CPU, empty keeps the untouched pool out of resident memory
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        return alloc(shape, dtype=self.config.torch_dtype, device=self.device)
 
     def _plan_num_blocks(self) -> int:
         """Blocks in the KV pool: --max-kv-tokens, else what free memory allows."""
@@ -114,69 +137,91 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def prepare(self, seqs: list[Sequence]) -> StepInputs:
-        """Flattened inputs of a step: decodes (one token each) first, then prefill chunks."""
+    def prepare(self, seqs: list[Sequence]) -> HostInputs:
+        """Flattened inputs of a step on the host: decodes (one token each) first, then prefill
+        chunks. Work per sequence is O(tokens scheduled + blocks), not O(context)."""
         bs = self.block_size
         ids: list[int] = []
-        positions: list[int] = []
+        slots: list[int] = []
         seq_lens: list[int] = []
         q_lens: list[int] = []
         sample_rows: list[int] = []
         for seq in seqs:
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
+            ids.extend(_token_slice(seq, start, n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             seq_lens.append(start + n)
             q_lens.append(n)
             if seq.samples_this_step:
                 sample_rows.append(len(ids) - 1)
-        pos = np.asarray(positions, dtype=np.int64)
-        slots = np.empty_like(pos)
-        offset = 0
-        for seq, n in zip(seqs, q_lens):
-            p = pos[offset : offset + n]
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            slots[offset : offset + n] = table[p // bs] * bs + p % bs
-            offset += n
-        nd = _count_leading_ones(q_lens)
+        positions = [p for s, n in zip(seq_lens, q_lens) for p in range(s - n, s)]
+        return HostInputs(
+            input_ids=ids,
+            positions=positions,
+            slot_mapping=slots,
+            seq_lens=seq_lens,
+            q_lens=q_lens,
+            block_tables=_pad_tables([s.block_table for s in seqs]),
+            num_decodes=_count_leading_ones(q_lens),
+            sample_rows=sample_rows,
+        )
+
+    def to_device(self, host: HostInputs) -> StepInputs:
         dev = self.device
         tensor = lambda x, dt: torch.as_tensor(x, dtype=dt).to(dev, non_blocking=True)
-        tables = _pad_tables([s.block_table for s in seqs])
-        decode_tables, prefill_tables = tables[:nd], tables[nd:]
-        cu = np.zeros(len(seqs) - nd + 1, dtype=np.int32)
+        nd, q_lens, seq_lens = host.num_decodes, host.q_lens, host.seq_lens
+        has_prefill = len(q_lens) > nd
+        cu = np.zeros(len(q_lens) - nd + 1, dtype=np.int32)
         np.cumsum(q_lens[nd:], out=cu[1:])
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
+            slot_mapping=tensor(host.slot_mapping, torch.int64),
             num_decode_tokens=nd,
             decode_seq_lens=tensor(seq_lens[:nd], torch.int32) if nd else None,
-            decode_block_tables=tensor(decode_tables, torch.int32) if nd else None,
+            decode_block_tables=tensor(host.block_tables[:nd], torch.int32) if nd else None,
             max_decode_seq_len=max(seq_lens[:nd], default=0),
-            num_prefill_tokens=len(ids) - nd,
-            prefill_cu_seqlens_q=tensor(cu, torch.int32) if len(seqs) > nd else None,
-            prefill_seq_lens=tensor(seq_lens[nd:], torch.int32) if len(seqs) > nd else None,
-            prefill_block_tables=tensor(prefill_tables, torch.int32) if len(seqs) > nd else None,
+            num_prefill_tokens=len(host.input_ids) - nd,
+            prefill_cu_seqlens_q=tensor(cu, torch.int32) if has_prefill else None,
+            prefill_seq_lens=tensor(seq_lens[nd:], torch.int32) if has_prefill else None,
+            prefill_block_tables=(
+                tensor(host.block_tables[nd:], torch.int32) if has_prefill else None
+            ),
             max_prefill_query_len=max(q_lens[nd:], default=0),
             max_prefill_seq_len=max(seq_lens[nd:], default=0),
         )
         return StepInputs(
-            input_ids=tensor(ids, torch.int64),
-            positions=tensor(pos, torch.int64),
+            input_ids=tensor(host.input_ids, torch.int64),
+            positions=tensor(host.positions, torch.int64),
             meta=meta,
-            sample_indices=tensor(sample_rows, torch.int64),
+            sample_indices=tensor(host.sample_rows, torch.int64),
         )
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> list[SampledToken]:
         """Run one step over ``seqs`` (scheduled, decodes first); one sampled token for each
         sequence whose chunk reaches its last token, in the order of ``seqs``."""
-        inputs = self.prepare(seqs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        host = self.prepare(seqs)
         sampling = [s for s in seqs if s.samples_this_step]
-        if not sampling:
-            return []
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V] fp32
+        if self.graphs is not None and self.graphs.can_run(host):
+            logits = self.graphs.run(host)  # [B, V] fp32; every decode samples
+        else:
+            inputs = self.to_device(host)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if not sampling:
+                return []
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V] fp32
         out = self.sampler(logits, self.sampler.prepare(sampling))
         return _to_host(out)
+
+
+def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
+    """``seq.token_ids[start:start+n]`` without concatenating prompt and output."""
+    p = seq.num_prompt_tokens
+    if start >= p:
+        return seq.output_token_ids[start - p : start - p + n]
+    if start + n <= p:
+        return seq.prompt_token_ids[start : start + n]
+    return seq.token_ids[start : start + n]
 
 
 def _count_leading_ones(q_lens: list[int]) -> int:

@@ -1,0 +1,119 @@
+"""The engine end to end on CPU: against transformers, and batch-invariant."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flashserve.config import EngineConfig
+from flashserve.llm_engine import LLM
+from flashserve.loader import default_model_path
+from flashserve.sampling_params import SamplingParams
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(EngineConfig(max_num_seqs=16))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _chat_ids(llm: LLM, messages=QUESTION) -> list[int]:
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
+
+
+def test_greedy_matches_transformers_generate(llm, hf_model):
+    ids = _chat_ids(llm)
+    ours = llm.generate([ids], SamplingParams(max_new_tokens=32, temperature=0))[0]
+    with torch.no_grad():
+        hf = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+    expected = hf[0, len(ids) :].tolist()
+    assert ours.token_ids == expected, f"ours {ours.token_ids}\nhf   {expected}"
+    assert "Paris" in ours.text
+
+
+def _prompts(llm: LLM, n: int) -> list[list[int]]:
+    topics = ["the sea", "a cat", "Rome", "numbers", "winter", "music", "trees", "the moon"]
+    msgs = [[{"role": "user", "content": f"Write about {random.choice(topics)}."}]
+            for _ in range(n)]  # fmt: skip
+    ids = [_chat_ids(llm, m) for m in msgs]
+    # vary lengths further with a random number of extra prefix tokens
+    return [llm.tokenizer.encode("word " * random.randint(0, 40)) + p for p in ids]
+
+
+def test_batched_greedy_equals_one_at_a_time(llm):
+    prompts = _prompts(llm, 6)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    batched = llm.generate(prompts, params)
+    for prompt, got in zip(prompts, batched):
+        alone = llm.generate([prompt], params)[0]
+        assert got.token_ids == alone.token_ids
+        assert len(got.token_ids) == 12 and got.finish_reason == "length"
+
+
+def test_seeded_sampling_is_batch_invariant(llm):
+    prompts = _prompts(llm, 5)
+    seed = random.randrange(2**31)
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=seed,
+                            ignore_eos=True)  # fmt: skip
+    others = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True)
+    alone = llm.generate([prompts[0]], params)[0]
+    mixed = llm.generate(prompts, [params] + [others] * 4)[0]
+    assert alone.token_ids == mixed.token_ids
+    assert alone.seed == seed
+    other_seed = llm.generate([prompts[0]], SamplingParams(
+        max_new_tokens=10, temperature=0.9, top_p=0.95, seed=seed + 1, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone.token_ids or len(set(alone.token_ids)) == 1
+
+
+def test_stop_strings_and_stop_ids(llm):
+    ids = _chat_ids(llm)
+    full = llm.generate([ids], SamplingParams(max_new_tokens=16, temperature=0))[0]
+    assert "Paris" in full.text
+    cut = llm.generate([ids], SamplingParams(max_new_tokens=16, temperature=0, stop=["Paris"]))[0]
+    assert cut.finish_reason == "stop_sequence"
+    assert cut.text == full.text[: full.text.index("Paris")]
+    stop_id = full.token_ids[2]
+    by_id = llm.generate([ids], SamplingParams(max_new_tokens=16, temperature=0,
+                                               stop_token_ids=[stop_id]))[0]  # fmt: skip
+    assert by_id.token_ids == full.token_ids[:3] and by_id.finish_reason == "stop_sequence"
+
+
+def test_too_long_prompt_is_refused(llm):
+    n = llm.engine.max_model_len
+    with pytest.raises(ValueError, match=str(n)):
+        llm.generate([[1] * n], SamplingParams(max_new_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"max_num_batched_tokens": 16},  # chunked prefill
+        {"max_kv_tokens": 256, "block_size": 16, "max_num_seqs": 8},  # forces preemption
+    ],
+    ids=["chunked", "preempting"],
+)
+def test_scheduling_does_not_change_greedy_output(overrides):
+    base = LLM(EngineConfig(model="dummy:tiny", max_num_seqs=8))
+    prompts = [[random.randrange(3, 500) for _ in range(random.randint(1, 90))] for _ in range(8)]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    expected = [c.token_ids for c in base.generate(prompts, params)]
+    other = LLM(EngineConfig(model="dummy:tiny", **{"max_num_seqs": 8, **overrides}))
+    got = [c.token_ids for c in other.generate(prompts, params)]
+    assert got == expected
+    if "max_kv_tokens" in overrides:
+        assert other.engine.block_manager.num_free_blocks == other.engine.block_manager.num_blocks
