@@ -20,6 +20,7 @@ class FinishReason:
     EOS = "eos_token"
     STOP = "stop_sequence"  # a stop string or stop token id
     ABORT = "abort"
+    ERROR = "error"  # could not run (e.g. needs more KV blocks than the pool has); see .error
 
 
 _ids = itertools.count()
@@ -54,6 +55,7 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why, when finish_reason is "error"
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_preemptions = 0
 

@@ -1,0 +1,35 @@
+# The README's two commands, on a fresh machine with only Python 3 and make:
+#   make serve    the HTTP server on the default model, http://127.0.0.1:8000
+#   make test     the test suite
+# Both create .venv and install into it once (again only when pyproject.toml or the install
+# script change). Options: make serve PORT=8080 HOST=0.0.0.0 MODEL=path/to/model ARGS="..."
+
+PYTHON ?= python3
+VENV ?= .venv
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+ARGS ?=
+
+BIN := $(VENV)/bin
+INSTALL := PIP="$(BIN)/python -m pip" sh docker/install.sh --editable
+
+.PHONY: serve test
+
+serve: $(VENV)/.installed
+	$(BIN)/flashserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest $(ARGS)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml docker/install.sh | $(BIN)/python
+	$(INSTALL)
+	touch $@
+
+# the test install is a superset of the plain one: it stamps both
+$(VENV)/.installed-test: pyproject.toml docker/install.sh | $(BIN)/python
+	$(INSTALL) test
+	touch $@ $(VENV)/.installed

@@ -1,0 +1,7 @@
+"""``python -m flashserve generate ...``: the engine's commands (``python -m server serve``)."""
+
+import sys
+
+from flashserve.cli import main
+
+sys.exit(main())

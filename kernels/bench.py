@@ -1,0 +1,424 @@
+"""Attention kernel benchmarks: ``python -m kernels.bench [--sweep] [--json FILE]``.
+
+Decode: batch {1, 8, 32} x context {4K, 16K, 64K, 128K}, Llama-3-8B heads (32 query, 8 KV,
+dim 128), bf16, every sequence at the full context. Each implementation is timed under CUDA
+graph replay (the way the engine runs decode): one graph holds 16+ calls that rotate over
+several input sets (KV pools, shuffled block tables, queries) totalling >= 256 MB, so the
+50 MB L2 does not serve the KV; the median over replays divided by the calls is reported.
+Peers: torch SDPA on contiguous KV (enable_gqa) and, if importable, xformers' triton_splitk
+on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA's
+FlashAttention-2 and cuDNN backends. The device-to-device copy bandwidth is measured in the
+same run and is the 100% of the decode table. ``--sweep`` times tuning variants instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+SMOKE = os.environ.get("TRITON_INTERPRET") == "1"  # CPU smoke test of this script only
+DEV = "cpu" if SMOKE else "cuda"
+HQ, HKV, D = 32, 8, 128
+DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter has no bf16 dot
+ROTATE_BYTES = 256 << 20  # input sets per graph: at least this many KV bytes, 5x the L2
+
+
+# ---------------------------------------------------------------- timing
+
+
+def graph_time(calls: list[Callable[[], object]], min_calls: int = 16, reps: int = 10) -> float:
+    """Median µs per call of ``calls`` (cycled to >= min_calls) captured in one CUDA graph."""
+    if SMOKE:
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) / len(calls) * 1e6
+    seq = calls * math.ceil(min_calls / len(calls))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # compile, autotune, allocate outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in seq:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(seq))
+    del graph
+    return statistics.median(times)
+
+
+def bench_time(fn: Callable[[], object]) -> float:
+    """Median µs of one call outside a graph (long kernels: prefill, copies)."""
+    if SMOKE:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, GB/s counting bytes read + written."""
+    n = 1 << 20 if SMOKE else 2 << 30
+    src = torch.randn(n // 4, device=DEV)
+    dst = torch.empty_like(src)
+    us = bench_time(lambda: dst.copy_(src))
+    return 2 * n / us / 1e3
+
+
+# ---------------------------------------------------------------- decode inputs
+
+
+class DecodeInputs:
+    """``n`` independent input sets for one (batch, context) point, paged with ``page``."""
+
+    def __init__(self, bsz: int, ctx: int, page: int, n: int):
+        self.bsz, self.ctx, self.page = bsz, ctx, page
+        nb = bsz * ctx // page
+        self.sets = []
+        for _ in range(n):
+            k = torch.randn(nb, page, HKV, D, device=DEV, dtype=DT)
+            v = torch.randn(nb, page, HKV, D, device=DEV, dtype=DT)
+            bt = torch.randperm(nb, device=DEV, dtype=torch.int32).view(bsz, ctx // page)
+            q = torch.randn(bsz, HQ, D, device=DEV, dtype=DT)
+            self.sets.append((q, k, v, bt, torch.empty_like(q)))
+        self.seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
+
+
+def kv_bytes(bsz: int, ctx: int) -> int:
+    return bsz * ctx * HKV * D * 2 * DT.itemsize
+
+
+def n_sets(bsz: int, ctx: int) -> int:
+    return 1 if SMOKE else max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes(bsz, ctx))))
+
+
+def time_ours(bsz, ctx, page=16, **kw) -> float:
+    from kernels.decode import decode_attention
+
+    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx))
+    sl, scale = inp.seq_lens, D**-0.5
+    calls = [
+        (
+            lambda s=s: decode_attention(
+                s[0], s[1], s[2], sl, s[3], scale, max_seq_len=ctx, out=s[4], **kw
+            )
+        )  # fmt: skip
+        for s in inp.sets
+    ]
+    return graph_time(calls)
+
+
+def time_sdpa(bsz, ctx) -> float:
+    import torch.nn.functional as F
+
+    sets = []
+    for _ in range(n_sets(bsz, ctx)):
+        q = torch.randn(bsz, HQ, 1, D, device=DEV, dtype=DT)
+        k = torch.randn(bsz, HKV, ctx, D, device=DEV, dtype=DT)
+        sets.append((q, k, torch.randn_like(k)))
+    calls = [
+        (lambda s=s: F.scaled_dot_product_attention(s[0], s[1], s[2], enable_gqa=True))
+        for s in sets
+    ]
+    return graph_time(calls)
+
+
+def time_xformers(bsz, ctx, graph: bool = True) -> float:
+    import xformers.ops.fmha as fmha
+
+    fmha.common._built_with_cuda = True  # its C++ part targets another torch; Triton needs none
+    from xformers.ops.fmha import triton_splitk
+    from xformers.ops.fmha.attn_bias import (
+        BlockDiagonalPaddedKeysMask,
+        PagedBlockDiagonalPaddedKeysMask,
+    )
+
+    page = 256
+    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx))
+    calls = []
+    for q, k, v, bt, _ in inp.sets:
+        bias = BlockDiagonalPaddedKeysMask.from_seqlens(
+            q_seqlen=[1] * bsz, kv_padding=ctx, kv_seqlen=[ctx] * bsz, device=q.device
+        ).make_paged(bt, page_size=page, paged_type=PagedBlockDiagonalPaddedKeysMask)
+        g = HQ // HKV
+        xq = q.view(1, bsz, HKV, g, D)
+        xk = k.view(1, -1, HKV, 1, D).expand(1, k.shape[0] * page, HKV, g, D)
+        xv = v.view(1, -1, HKV, 1, D).expand(1, v.shape[0] * page, HKV, g, D)
+        calls.append(
+            lambda xq=xq, xk=xk, xv=xv, bias=bias: fmha.memory_efficient_attention_forward(
+                xq, xk, xv, attn_bias=bias, op=triton_splitk.FwOp
+            )
+        )
+    if graph:
+        return graph_time(calls)
+    return statistics.median(bench_time(c) for c in calls)
+
+
+# ---------------------------------------------------------------- prefill
+
+
+def prefill_flops(n: int) -> float:
+    return 4 * HQ * D * n * n / 2  # QK^T and PV, causal half
+
+
+def time_prefill_ours(n: int, page: int = 16, d: int = D, **kw) -> float:
+    from kernels.prefill import prefill_attention
+
+    nb = n // page
+    k = torch.randn(nb, page, HKV, d, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    bt = torch.randperm(nb, device=DEV, dtype=torch.int32).view(1, nb)
+    q = torch.randn(n, HQ, d, device=DEV, dtype=DT)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([n], dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    return bench_time(
+        lambda: prefill_attention(
+            q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, max_seq_len=n, out=out, **kw
+        )  # fmt: skip
+    )
+
+
+def time_prefill_sdpa(n: int, backend: str) -> float:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, HQ, n, D, device=DEV, dtype=DT)
+    k = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    with sdpa_kernel([chosen]):
+        try:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        except RuntimeError:  # backend without GQA: expand K/V (not counted in the time)
+            ke, ve = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
+            fn = lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+        return bench_time(fn)
+
+
+# ---------------------------------------------------------------- runs
+
+
+def attempt(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # a peer that fails still leaves the rest of the table
+        print(f"  ! {getattr(fn, '__name__', fn)}{args} {kw}: {type(e).__name__}: {e}"[:400])
+        return None
+    finally:
+        if not SMOKE:
+            torch.cuda.empty_cache()
+
+
+def fits(bsz: int, ctx: int) -> bool:
+    if SMOKE:
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    return kv_bytes(bsz, ctx) * 1.3 < free
+
+
+def decode_grid(batches, contexts, copy_gbs, have_xf) -> list[dict]:
+    rows = []
+    for bsz in batches:
+        for ctx in contexts:
+            if not fits(bsz, ctx):
+                print(f"  skip B={bsz} ctx={ctx}: does not fit")
+                continue
+            r = {"batch": bsz, "context": ctx, "kv_mb": kv_bytes(bsz, ctx) / 1e6}
+            r["ours_us"] = attempt(time_ours, bsz, ctx)
+            r["sdpa_us"] = attempt(time_sdpa, bsz, ctx)
+            r["xformers_us"], r["xformers_graph"] = None, None
+            if have_xf:  # under a graph if its capture works, else plain launches (noted)
+                for graph in (True, False):
+                    r["xformers_us"] = attempt(time_xformers, bsz, ctx, graph=graph)
+                    if r["xformers_us"] is not None:
+                        r["xformers_graph"] = graph
+                        break
+            for key in ("ours", "sdpa", "xformers"):
+                us = r[f"{key}_us"]
+                r[f"{key}_pct"] = kv_bytes(bsz, ctx) / us / 1e3 / copy_gbs * 100 if us else None
+            rows.append(r)
+            print("  " + json.dumps(r), flush=True)
+    return rows
+
+
+def prefill_table(sizes) -> list[dict]:
+    rows = []
+    for n in sizes:
+        r = {"tokens": n}
+        for name, fn, arg in (
+            ("ours_page16", time_prefill_ours, 16),
+            ("ours_page128", time_prefill_ours, 128),
+            ("sdpa_flash", time_prefill_sdpa, "flash"),
+            ("sdpa_cudnn", time_prefill_sdpa, "cudnn"),
+        ):
+            us = attempt(fn, n, arg)
+            r[f"{name}_us"] = us
+            r[f"{name}_tflops"] = prefill_flops(n) / us / 1e6 if us else None
+        rows.append(r)
+        print("  " + json.dumps(r), flush=True)
+    return rows
+
+
+DECODE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages)
+    (64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 2, 4), (64, 2, 3),
+    (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (16, 2, 4),
+]  # fmt: skip
+PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+          (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
+         (128, 32, 4, 4)],
+    256: [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3),
+          (128, 64, 8, 2)],
+}  # fmt: skip
+
+
+def sweep(copy_gbs: float) -> dict:
+    """Tuning variants: stage-1 configs, split counts, page sizes, prefill tiles."""
+    res: dict = {"decode_config": [], "splits": [], "page": [], "prefill": []}
+    pts = [(1, 4096), (1, 131072), (8, 16384), (32, 4096)] if not SMOKE else [(1, 256)]
+    for bsz, ctx in pts:
+        for cfg in DECODE_CONFIGS:
+            us = attempt(time_ours, bsz, ctx, config=cfg)
+            res["decode_config"].append({"batch": bsz, "context": ctx, "config": cfg, "us": us})
+            print(f"  cfg B={bsz} ctx={ctx} {cfg}: {us}", flush=True)
+    pts = [(1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384), (16, 4096), (32, 4096)]
+    for bsz, ctx in pts if not SMOKE else [(1, 256)]:
+        for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 66, 99, 132, 198, 264):
+            if s * 64 > ctx or bsz * HKV * s > 8 * 132 * 4:
+                continue
+            us = attempt(time_ours, bsz, ctx, num_splits=s)
+            res["splits"].append({"batch": bsz, "context": ctx, "splits": s, "us": us})
+            print(f"  splits B={bsz} ctx={ctx} S={s}: {us}", flush=True)
+    for bsz, ctx in [(1, 4096), (1, 131072), (8, 16384), (32, 4096)] if not SMOKE else []:
+        for page in (16, 32, 64, 128, 256):
+            us = attempt(time_ours, bsz, ctx, page=page)
+            res["page"].append({"batch": bsz, "context": ctx, "page": page, "us": us})
+            print(f"  page B={bsz} ctx={ctx} page={page}: {us}", flush=True)
+    for n, d in [(16384, 128), (4096, 128), (4096, 64), (4096, 256)] if not SMOKE else [(256, 64)]:
+        for cfg in PREFILL_CONFIGS[d]:
+            us = attempt(time_prefill_ours, n, 16, d, config=cfg)
+            tf = prefill_flops(n) * d / D / us / 1e6 if us else None
+            res["prefill"].append({"tokens": n, "d": d, "config": cfg, "us": us, "tflops": tf})
+            print(f"  prefill n={n} d={d} {cfg}: {us} us {tf} TFLOP/s", flush=True)
+    return res
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def print_tables(copy_gbs, dec, pre):
+    print(f"\ncopy bandwidth: {copy_gbs:,.0f} GB/s (read + write)")
+    print("\n| batch | context | KV MB | ours µs | ours % | SDPA µs | SDPA % | xformers µs "
+          "| xformers % |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in dec:
+        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['kv_mb']:,.0f} | "
+              f"{fmt(r['ours_us'], ',.1f')} | {fmt(r['ours_pct'], '.0f')} | "
+              f"{fmt(r['sdpa_us'], ',.1f')} | {fmt(r['sdpa_pct'], '.0f')} | "
+              f"{fmt(r['xformers_us'], ',.1f')} | {fmt(r['xformers_pct'], '.0f')} |")  # fmt: skip
+    print("\n| tokens | ours p16 µs | TFLOP/s | ours p128 µs | TFLOP/s | SDPA FA2 µs | TFLOP/s "
+          "| SDPA cuDNN µs | TFLOP/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in pre:
+        cells = []
+        for k in ("ours_page16", "ours_page128", "sdpa_flash", "sdpa_cudnn"):
+            cells += [fmt(r[f"{k}_us"], ",.0f"), fmt(r[f"{k}_tflops"], ".0f")]
+        print(f"| {r['tokens'] // 1024}K | " + " | ".join(cells) + " |")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--sweep", action="store_true", help="time tuning variants instead")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="4096,16384,65536,131072")
+    ap.add_argument("--prefill", default="4096,16384")
+    args = ap.parse_args(argv)
+
+    import triton
+
+    meta = {
+        "device": "cpu (interpreter smoke test)" if SMOKE else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join([sys.executable.split("/")[-1], "-m", "kernels.bench", *sys.argv[1:]]),
+    }  # fmt: skip
+    print(json.dumps(meta), flush=True)
+    have_xf = False
+    try:
+        import xformers  # noqa: F401
+
+        have_xf = not SMOKE
+    except ImportError:
+        print("  xformers not importable: its column stays empty")
+    copy_gbs = copy_bandwidth()
+    print(f"  copy {copy_gbs:,.0f} GB/s", flush=True)
+    result = {"meta": meta, "copy_gbs": copy_gbs}
+    if args.sweep:
+        result["sweep"] = sweep(copy_gbs)
+    else:
+        batches = [int(x) for x in args.batches.split(",")]
+        contexts = [int(x) for x in args.contexts.split(",")]
+        result["decode"] = decode_grid(batches, contexts, copy_gbs, have_xf)
+        result["prefill"] = prefill_table([int(x) for x in args.prefill.split(",") if x])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if not args.sweep:
+        print_tables(copy_gbs, result["decode"], result["prefill"])
+    else:
+        print_sweep(result["sweep"])
+
+
+def print_sweep(res: dict) -> None:
+    print("\nbest decode config per point (BLOCK_N, warps, stages):")
+    for key in sorted({(r["batch"], r["context"]) for r in res["decode_config"]}):
+        rs = [r for r in res["decode_config"] if (r["batch"], r["context"]) == key and r["us"]]
+        rs.sort(key=lambda r: r["us"])
+        print(f"  B={key[0]} ctx={key[1]}: " + ", ".join(
+            f"{tuple(r['config'])} {r['us']:.1f}" for r in rs[:4]))  # fmt: skip
+    print("splits (µs):")
+    for key in sorted({(r["batch"], r["context"]) for r in res["splits"]}):
+        rs = [r for r in res["splits"] if (r["batch"], r["context"]) == key and r["us"]]
+        print(f"  B={key[0]} ctx={key[1]}: " + " ".join(f"{r['splits']}:{r['us']:.1f}" for r in rs))
+    print("page size (µs):")
+    for key in sorted({(r["batch"], r["context"]) for r in res["page"]}):
+        rs = [r for r in res["page"] if (r["batch"], r["context"]) == key and r["us"]]
+        print(f"  B={key[0]} ctx={key[1]}: " + " ".join(f"{r['page']}:{r['us']:.1f}" for r in rs))
+    print("prefill (TFLOP/s):")
+    for key in sorted({(r["tokens"], r["d"]) for r in res["prefill"]}):
+        rs = [r for r in res["prefill"] if (r["tokens"], r["d"]) == key and r["us"]]
+        rs.sort(key=lambda r: r["us"])
+        print(f"  n={key[0]} d={key[1]}: " + ", ".join(
+            f"{tuple(r['config'])} {r['tflops']:.0f}" for r in rs[:5]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""FlashAttention-2 style causal prefill over the paged KV cache (Triton).
+
+The batch is flattened: sequence ``b``'s query chunk is ``q[cu[b]:cu[b+1]]`` (``n`` tokens) and
+its KV (``seq_lens[b]`` tokens, the chunk's own K/V included) lives in the paged cache. Query
+``i`` of the chunk sits at position ``p_i = seq_lens[b] - n + i``; with ``G = Hq / Hkv``::
+
+    out[t, h] = sum_{j <= p_i} softmax_j(scale * q[t, h] . K[b, j, h // G]) V[b, j, h // G]
+    lse[t, h] = log sum_{j <= p_i} exp(scale * q[t, h] . K[b, j, h // G])
+
+So chunked prefill and prefix reuse (cached context before the chunk) need nothing special.
+
+Grid ``(query tiles, Hq, B)``: each program owns ``BLOCK_M`` queries of one head of one
+sequence, runs an online softmax in fp32 with ``exp2`` (the scale folded into
+``qk_scale = scale * log2(e)``) over the KV tiles, first those that every query of the tile
+sees in full (no mask), then the few tiles on the causal diagonal (masked); tiles past the
+diagonal are never visited. Heavy tiles (late in the sequence) are launched first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_inner(
+    acc,  # [BM, BD] fp32
+    l_i,  # [BM] fp32
+    m_i,  # [BM] fp32, running max in log2 units
+    q,  # [BM, BD]
+    K,
+    V,
+    bt,  # this sequence's block-table row
+    head_off,  # kv_head * stride_kh
+    lo,
+    hi,  # KV positions [lo, hi), lo a multiple of BLOCK_N
+    q_pos,  # [BM] positions of the queries
+    seq_len,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    MASKED: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of one query tile over KV tiles [lo, hi); MASKED applies the causal and
+    sequence-end masks (the tiles on the diagonal), otherwise every key is visible."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        kv = start + offs_n  # [BN]
+        if PAGE >= BLOCK_N:  # the whole tile lies in one page
+            page = tl.load(bt + start // PAGE).to(tl.int64)
+            row = page * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
+        else:
+            page = tl.load(bt + kv // PAGE, mask=kv < seq_len, other=0).to(tl.int64)
+            row = page * stride_kb + (kv % PAGE) * stride_kt + head_off
+        ptrs = row[:, None] + offs_d[None, :]  # [BN, BD]
+        if MASKED:
+            ld_mask = (kv < seq_len)[:, None] & d_mask[None, :]
+            k = tl.load(K + ptrs, mask=ld_mask, other=0.0)
+            v = tl.load(V + ptrs, mask=ld_mask, other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            k = tl.load(K + ptrs)
+            v = tl.load(V + ptrs)
+        else:
+            k = tl.load(K + ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+        if MASKED:
+            visible = (kv[None, :] <= q_pos[:, None]) & (kv[None, :] < seq_len)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    Q,  # [T, Hq, D]
+    K,  # [N, PAGE, Hkv, D]
+    V,  # [N, PAGE, Hkv, D]
+    CuSeqlensQ,  # [B+1] int32
+    SeqLens,  # [B] int32
+    BlockTables,  # [B, M] int32
+    Out,  # [T, Hq, D]
+    Lse,  # [T, Hq] fp32
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late) tiles first
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CuSeqlensQ + b)
+    q_len = tl.load(CuSeqlensQ + b + 1) - q_start
+    m0 = tile * BLOCK_M
+    if m0 >= q_len:
+        return
+    seq_len = tl.load(SeqLens + b)
+    ctx = seq_len - q_len  # cached tokens before the chunk
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)  # [BM] token index in the flattened batch
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BM, BD]
+    q_pos = ctx + offs_m  # [BM]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt = BlockTables + b.to(tl.int64) * stride_btb
+    head_off = (h // GROUP).to(tl.int64) * stride_kh
+    # keys before the tile's first query are visible to all its queries: no mask
+    full_end = (ctx + m0) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _prefill_inner(
+        acc, l_i, m_i, q, K, V, bt, head_off, 0, full_end, q_pos, seq_len, qk_scale,
+        stride_kb, stride_kt,
+        MASKED=False, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
+    # the diagonal: up to the tile's last query
+    diag_end = tl.minimum(ctx + m0 + BLOCK_M, seq_len)
+    acc, l_i, m_i = _prefill_inner(
+        acc, l_i, m_i, q, K, V, bt, head_off, full_end, diag_end, q_pos, seq_len, qk_scale,
+        stride_kb, stride_kt,
+        MASKED=True, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    tl.store(
+        Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+    if STORE_LSE:
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
+        tl.store(Lse + rows * stride_lt + h * stride_lh, lse, mask=m_mask)
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages).
+
+    Tuned on the GPU by ``python -m kernels.bench --sweep`` (see docs/benchmarks/kernels.md).
+    """
+    if dtype == torch.float32:
+        return 32, 32, 4, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D], the sequences' query chunks back to back
+    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32, KV length including this chunk
+    block_tables: torch.Tensor,  # [B, M] int32
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+):
+    """Causal attention of each chunk over its cached context plus itself (see module doc).
+
+    ``max_query_len`` (host int) sizes the grid; if None it is read from ``cu_seqlens_q`` (a
+    device sync). ``max_seq_len`` is accepted for interface parity and unused. ``config`` =
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuning. Returns ``out`` [T, Hq, D],
+    and ``lse`` [T, Hq] fp32 (natural log) if ``return_lse``.
+    """
+    del max_seq_len
+    t, hq, d = q.shape
+    _, page, hkv, dk = k_cache.shape
+    if q.dim() != 3 or d != dk or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} differ")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("the head dim of q and the caches must be contiguous")
+    if page & (page - 1):
+        raise ValueError(f"page size {page} must be a power of two")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens),
+                    ("block_tables", block_tables)):  # fmt: skip
+        if x.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+    bsz = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (bsz + 1,) or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("cu_seqlens_q must be [B+1], block_tables [B, M] with contiguous rows")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous head dim")
+    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    if t == 0 or bsz == 0:
+        return (out, lse) if return_lse else out
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+
+    block_m, block_n, num_warps, num_stages = config or prefill_config(d, q.dtype)
+    lse_arg = lse if return_lse else out
+    grid = (triton.cdiv(max_query_len, block_m), hq, bsz)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
+        GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, STORE_LSE=return_lse,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

@@ -1,0 +1,152 @@
+"""Request and response bodies of the text-generation-inference (TGI) API.
+
+Pydantic checks the JSON types (strictly: no "1" for a number); ``to_sampling_params`` checks
+the ranges with TGI's rules and messages and maps TGI's parameters onto ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flashserve.sampling_params import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 100  # TGI's router default
+MAX_STOP_SEQUENCES = 4  # TGI's --max-stop-sequences default
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class GenerateParameters(_Strict):
+    """TGI's ``parameters``; every field is optional. Unknown fields are ignored, as TGI does."""
+
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    details: bool = False
+    do_sample: bool = False
+    frequency_penalty: float | None = None
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+
+    @property
+    def sampling(self) -> bool:
+        """TGI samples when asked to, or when any logits warper is set; otherwise greedy."""
+        warped = self.temperature not in (None, 1.0) or self.top_k is not None
+        return self.do_sample or warped or self.top_p is not None or self.typical_p is not None
+
+
+class GenerateRequest(_Strict):
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+
+def to_sampling_params(p: GenerateParameters) -> SamplingParams:
+    """TGI's checks (same messages), then SamplingParams' own; raises ValueError."""
+    _check_tgi_ranges(p)
+    if p.best_of not in (None, 1):
+        raise ValueError("`best_of` != 1 is not supported by this server")
+    if p.typical_p is not None:
+        raise ValueError("`typical_p` is not supported by this server")
+    if p.watermark:
+        raise ValueError("`watermark` is not supported by this server")
+    if p.decoder_input_details:
+        raise ValueError(
+            "`decoder_input_details` is not supported: prompt logprobs are not computed"
+        )
+    sampling = p.sampling
+    return SamplingParams(
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens,
+        temperature=(p.temperature or 1.0) if sampling else 0.0,
+        top_k=p.top_k or -1,
+        top_p=p.top_p or 1.0,
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        seed=p.seed,
+        stop=p.stop,
+    )
+
+
+def _check_tgi_ranges(p: GenerateParameters) -> None:
+    if p.temperature is not None and p.temperature <= 0:
+        raise ValueError("`temperature` must be strictly positive")
+    if p.repetition_penalty is not None and p.repetition_penalty <= 0:
+        raise ValueError("`repetition_penalty` must be strictly positive")
+    if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
+        raise ValueError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    if p.top_p is not None and not 0.0 < p.top_p < 1.0:
+        raise ValueError("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
+        raise ValueError("`typical_p` must be > 0.0 and < 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise ValueError("`top_k` must be strictly positive")
+    if p.max_new_tokens is not None and p.max_new_tokens <= 0:
+        raise ValueError("`max_new_tokens` must be strictly positive")
+    if p.truncate is not None and p.truncate <= 0:
+        raise ValueError("`truncate` must be strictly positive")
+    if len(p.stop) > MAX_STOP_SEQUENCES:
+        raise ValueError(
+            f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}"
+        )
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class Details(BaseModel):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[Token] = Field(default_factory=list)
+    tokens: list[Token]
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamResponse(BaseModel):
+    index: int
+    token: Token | None
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class Info(BaseModel):
+    """TGI's /info, the fields that mean something here."""
+
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str = "text-generation"
+    max_batch_size: int  # sequences the engine runs at once (--max-num-seqs)
+    max_best_of: int = 1
+    max_stop_sequences: int = MAX_STOP_SEQUENCES
+    max_input_tokens: int
+    max_total_tokens: int
+    router: str = "flashserve"
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None

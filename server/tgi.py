@@ -1,0 +1,215 @@
+"""The text-generation-inference (TGI) routes: /generate, /generate_stream, /health, /info."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+import flashserve
+from flashserve.async_llm import AsyncLLM
+from flashserve.outputs import RequestOutput, TokenOutput
+from flashserve.sampling_params import SamplingParams
+from server.errors import APIError, error_body, validating
+from server.schemas import (
+    Details,
+    GenerateRequest,
+    GenerateResponse,
+    Info,
+    StreamDetails,
+    StreamResponse,
+    Token,
+    to_sampling_params,
+)
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+T = TypeVar("T")
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    _engine(request)
+    return Response(status_code=200)
+
+
+@router.get("/info")
+async def info(request: Request) -> Info:
+    llm: AsyncLLM = request.app.state.llm
+    return Info(
+        model_id=llm.model_name,
+        model_dtype=f"torch.{llm.dtype}",
+        model_device_type=llm.config.device.split(":")[0],
+        max_batch_size=llm.config.max_num_seqs,
+        max_input_tokens=llm.max_model_len - 1,
+        max_total_tokens=llm.max_model_len,
+        version=flashserve.__version__,
+    )
+
+
+# exclude_unset: "details" is left out unless asked for, as TGI does
+@router.post("/generate", response_model_exclude_unset=True)
+async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+    llm = _engine(request)
+    prompt, params = _prepare(llm, body)
+    first, outputs = await _start(request, llm, prompt, params)
+    try:
+        tokens, last = await _unless_disconnected(request, _collect(first, outputs))
+    finally:
+        await outputs.aclose()
+    if last.finish_reason == "error":
+        raise APIError(424, last.error or "generation failed", "generation")
+    text = _full_text(body, last.generated_text)
+    if not body.parameters.details:
+        return GenerateResponse(generated_text=text)
+    details = Details(
+        finish_reason=last.finish_reason or "length",
+        generated_tokens=last.num_generated_tokens,
+        seed=last.seed if body.parameters.sampling else None,
+        prefill=[],
+        tokens=[_token(t) for t in tokens],
+    )
+    return GenerateResponse(generated_text=text, details=details)
+
+
+@router.post("/generate_stream")
+async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
+    llm = _engine(request)
+    prompt, params = _prepare(llm, body)
+    first, outputs = await _start(request, llm, prompt, params)
+    events = _events(body, first, outputs)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _engine(request: Request) -> AsyncLLM:
+    llm: AsyncLLM = request.app.state.llm
+    if not llm.is_running:
+        raise APIError(503, "the engine is not running", "unavailable")
+    return llm
+
+
+def _prepare(llm: AsyncLLM, body: GenerateRequest) -> tuple[str | list[int], SamplingParams]:
+    with validating():
+        params = to_sampling_params(body.parameters)
+        if not body.inputs:
+            raise ValueError("`inputs` cannot be empty")
+        truncate = body.parameters.truncate
+        if truncate is None:
+            return body.inputs, params
+        if truncate >= llm.max_model_len:
+            raise ValueError(
+                f"`truncate` must be strictly positive and less than {llm.max_model_len}. "
+                f"Given: {truncate}"
+            )
+        return llm.tokenizer.encode(body.inputs)[-truncate:], params
+
+
+async def _start(
+    request: Request, llm: AsyncLLM, prompt: str | list[int], params: SamplingParams
+) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    """Submit the request and wait for its first output, so that the engine's checks (prompt
+    length against the context) answer with a 422 before any response has started."""
+    outputs = llm.generate(prompt, params)
+    try:
+        with validating():
+            first = await _unless_disconnected(request, anext(outputs))
+    except BaseException:
+        await outputs.aclose()
+        raise
+    return first, outputs
+
+
+async def _collect(
+    first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+) -> tuple[list[TokenOutput], RequestOutput]:
+    tokens, last = list(first.new_tokens), first
+    if not first.finished:
+        async for last in outputs:
+            tokens.extend(last.new_tokens)
+    return tokens, last
+
+
+async def _events(
+    body: GenerateRequest, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+) -> AsyncIterator[str]:
+    """One SSE event per token; the last one also carries generated_text and details. Once the
+    200 header is out, an error can only travel as an event."""
+    index = 0
+    try:
+        out = first
+        while True:
+            if out.finish_reason == "error":
+                yield _sse(error_body(out.error or "generation failed", "generation"))
+                return
+            for i, tok in enumerate(out.new_tokens):
+                index += 1
+                last = out.finished and i == len(out.new_tokens) - 1
+                yield _sse(_stream_event(body, index, tok, out if last else None))
+            if out.finished:
+                if not out.new_tokens:  # e.g. aborted between tokens: no token to carry it
+                    yield _sse(_stream_event(body, index, None, out))
+                return
+            out = await anext(outputs)
+    except Exception:
+        logger.exception("generate_stream failed")
+        yield _sse(error_body("internal server error", "internal"))
+    finally:
+        await outputs.aclose()
+
+
+def _stream_event(
+    body: GenerateRequest, index: int, tok: TokenOutput | None, final: RequestOutput | None
+) -> StreamResponse:
+    event = StreamResponse(index=index, token=_token(tok) if tok else None)
+    if final is not None:
+        event.generated_text = _full_text(body, final.generated_text)
+        event.details = StreamDetails(
+            finish_reason=final.finish_reason or "length",
+            generated_tokens=final.num_generated_tokens,
+            seed=final.seed if body.parameters.sampling else None,
+            input_length=final.num_prompt_tokens,
+        )
+    return event
+
+
+def _sse(payload: StreamResponse | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, StreamResponse) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _token(tok: TokenOutput) -> Token:
+    return Token(id=tok.id, text=tok.text, logprob=tok.logprob, special=tok.special)
+
+
+def _full_text(body: GenerateRequest, generated: str) -> str:
+    return body.inputs + generated if body.parameters.return_full_text else generated
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts the request in
+    the engine) and answer 499."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "the client closed the request", "client_closed")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
