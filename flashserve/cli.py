@@ -11,10 +11,14 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import flashserve
 from flashserve.config import ATTENTION_BACKENDS, EngineConfig
+from flashserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from flashserve.llm_engine import LLM
 
 T = TypeVar("T")
 
@@ -102,11 +106,23 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from flashserve.llm_engine import LLM  # the model stack loads only when it is needed
-    from flashserve.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
+    params = _sampling_params(args)
+    llm = load_engine(LLM, config)
     try:
-        params = SamplingParams(
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        _print_stream(llm, prompt, params)
+    except ValueError as exc:  # no chat template; the prompt is empty or too long
+        raise CLIError(str(exc)) from exc
+    return 0
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -115,27 +131,20 @@ def _run_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CLIError(str(exc), status=2) from exc
-    llm = load_engine(LLM, config)
-    prompt = args.prompt
-    if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def _print_stream(llm: LLM, prompt: str, params: SamplingParams) -> None:
+    """The text on stdout as it comes, then a summary line on stderr."""
     start, printed, last = time.perf_counter(), 0, None
-    try:
-        for last in llm.stream(prompt, params):
-            # the text so far, not the token texts: special tokens (EOS) are left out
-            print(last.generated_text[printed:], end="", flush=True)
-            printed = len(last.generated_text)
-    except ValueError as exc:  # the prompt is empty or too long for the context
-        raise CLIError(str(exc)) from exc
+    for last in llm.stream(prompt, params):
+        # the text so far rather than token texts: special tokens (EOS) are left out
+        print(last.generated_text[printed:], end="", flush=True)
+        printed = len(last.generated_text)
     print(flush=True)
     if last is not None:
         took = time.perf_counter() - start
-        print(
-            f"[{last.num_generated_tokens} tokens in {took:.2f} s, finish reason: "
-            f"{last.finish_reason}]",
-            file=sys.stderr,
-        )
-    return 0
+        summary = f"{last.num_generated_tokens} tokens in {took:.2f} s"
+        print(f"[{summary}, finish reason: {last.finish_reason}]", file=sys.stderr)
 
 
 GENERATE = Command(

@@ -31,10 +31,16 @@ MAX_PENDING = 8
 class IncrementalDetokenizer:
     """Text deltas of one sequence's output tokens.
 
-    The concatenation of everything `add` returns, plus `flush`, equals
-    ``tokenizer.decode(output_ids, skip_special_tokens)``. The prompt is not used as left
-    context: that would make SentencePiece output start with a space that ``decode`` of the
-    output alone does not have.
+    The concatenation of everything `add` returns, plus `flush` at the end, equals
+    ``tokenizer.decode(output_ids, skip_special_tokens)``; no piece ends in a broken character.
+
+    ``prompt_ids`` is accepted but not used as left context: that would make SentencePiece
+    output start with a space that ``decode`` of the output alone does not have.
+
+    One known gap: SentencePiece byte-fallback decoding turns a whole run of ``<0x..>`` tokens
+    into U+FFFDs when any byte of it is invalid, so a stray invalid byte right after a complete
+    byte-fallback character makes the full decode show U+FFFD where the stream has already
+    sent the character. Byte-level BPE (GPT-2 style) has no such case.
     """
 
     def __init__(
@@ -45,7 +51,6 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.num_prompt_tokens = len(prompt_ids)
         self._window: list[int] = []  # emitted context tokens, then pending ones
         self._read = 0  # index in _window of the first pending token
         self._emitted = ""  # decode(_window[:_read]): text already returned for the context

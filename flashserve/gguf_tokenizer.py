@@ -21,6 +21,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from flashserve.gguf_metadata import read_gguf_metadata
+
 log = logging.getLogger(__name__)
 
 # llama.cpp token types (tokenizer.ggml.token_type)
@@ -58,13 +60,11 @@ def read_metadata(source: str | os.PathLike | Any) -> dict[str, Any]:
 
     ``source`` is a path, an open ``gguf.GGUFReader``, or an already-read metadata mapping.
     """
-    if isinstance(source, Mapping):
-        return {k: v for k, v in source.items() if k.startswith("tokenizer.")}
     if isinstance(source, (str, os.PathLike)):
-        import gguf
-
-        source = gguf.GGUFReader(source)
-    return {k: f.contents() for k, f in source.fields.items() if k.startswith("tokenizer.")}
+        source = read_gguf_metadata(source)
+    elif not isinstance(source, Mapping):  # a GGUFReader
+        source = {k: f.contents() for k, f in source.fields.items() if k.startswith("tokenizer.")}
+    return {k: v for k, v in source.items() if k.startswith("tokenizer.")}
 
 
 def pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:

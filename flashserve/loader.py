@@ -14,13 +14,14 @@ import logging
 import pathlib
 from dataclasses import dataclass
 
+import gguf
 import torch
 
 from flashserve.attention import load_backend
 from flashserve.loaders import gguf as gguf_source
 from flashserve.loaders import hf as hf_source
 from flashserve.model_config import ModelConfig
-from flashserve.models import LlamaForCausalLM, get_model_class
+from flashserve.models import LlamaForCausalLM
 from flashserve.models.llama import build_model, init_random
 from flashserve.presets import preset_config
 from flashserve.tokenizer import Tokenizer
@@ -87,33 +88,27 @@ def _package_files() -> list[pathlib.Path]:
     return found
 
 
-def _instantiate(config: ModelConfig, backend, device: str, dtype: torch.dtype):
-    get_model_class(config.architecture)  # raises for an unsupported architecture
-    return build_model(config, backend, device, dtype)
-
-
-def _load_hf(path: pathlib.Path, device, dtype, backend) -> LoadedModel:
+def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
     config = hf_source.read_config(path)
-    model = _instantiate(config, backend, device, dtype)
+    tokenizer = Tokenizer.from_dir(path)  # before the weights: fail fast
+    model = build_model(config, backend, device, dtype)
     model.load_weights(hf_source.iter_weights(path))
-    tokenizer = Tokenizer.from_dir(path)
     return LoadedModel(model, config, tokenizer, config.name)
 
 
-def _load_gguf(path: pathlib.Path, device, dtype, backend) -> LoadedModel:
-    import gguf
-
+def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
     reader = gguf.GGUFReader(path)
     meta = gguf_source.read_metadata(reader)
     config = gguf_source.read_config(reader, meta, name=path.stem)
-    model = _instantiate(config, backend, device, dtype)
+    tokenizer = Tokenizer.from_gguf(meta)  # before the weights: fail fast
+    model = build_model(config, backend, device, dtype)
     model.load_weights(gguf_source.iter_weights(reader, config))
-    return LoadedModel(model, config, Tokenizer.from_gguf(meta), config.name)
+    return LoadedModel(model, config, tokenizer, config.name)
 
 
-def _load_dummy(preset: str, device, dtype, backend, seed: int) -> LoadedModel:
+def _load_dummy(preset: str, device: str, dtype: torch.dtype, backend, seed: int) -> LoadedModel:
     config = preset_config(preset)
-    model = _instantiate(config, backend, device, dtype)
+    model = build_model(config, backend, device, dtype)
     init_random(model, seed)
     eos = config.eos_token_ids[0]
     tokenizer = Tokenizer.byte_level(config.vocab_size, config.bos_token_id, eos)

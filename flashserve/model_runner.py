@@ -68,6 +68,7 @@ class ModelRunner:
         )  # fmt: skip
         self.num_blocks = self._plan_num_blocks()
         self.max_model_len = self._resolve_max_model_len()
+        model.ensure_positions(self.max_model_len)
         self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device)
         self.graphs = None

@@ -25,7 +25,7 @@ from flashserve.chat_template import render_chat
 class Tokenizer:
     """A model's tokenizer.
 
-    Attributes: ``vocab_size`` (one more than the largest id), ``bos_token_id``,
+    Attributes: ``vocab_size`` (the number of ids), ``bos_token_id``,
     ``eos_token_ids`` (every id that ends generation), ``chat_template``, ``all_special_ids``.
     """
 
@@ -67,18 +67,19 @@ class Tokenizer:
         ``tokenizer_config.json``, ``chat_template.jinja``, ``special_tokens_map.json`` and
         ``generation_config.json`` (whose ``eos_token_id`` may be a list)."""
         path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json (the fast tokenizer file)")
         backend = Backend.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "special_tokens_map.json")
         config.update(_read_json(path / "tokenizer_config.json"))
-        names = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token")}
-        names["pad_token"] = _token_text(config.get("pad_token"))
-        bos = _token_id(backend, names["bos_token"])
-        eos = _eos_ids(_read_json(path / "generation_config.json").get("eos_token_id"))
-        eos = eos or [i for i in [_token_id(backend, names["eos_token"])] if i is not None]
+        names = {k: _token_text(config.get(k)) for k in _SPECIAL_NAMES}
+        bos, eos = (_token_id(backend, names[k]) for k in ("bos_token", "eos_token"))
+        # generation_config.json's EOS ids (end of turn too), then the tokenizer's EOS token
+        eos = _eos_ids(_read_json(path / "generation_config.json").get("eos_token_id")) + [eos]
         return cls(
             backend,
             bos_token_id=bos,
-            eos_token_ids=eos,
+            eos_token_ids=[i for i in eos if i is not None],
             add_bos_token=config.get("add_bos_token"),
             add_eos_token=config.get("add_eos_token"),
             chat_template=_dir_chat_template(path, config),
@@ -189,6 +190,7 @@ class Tokenizer:
         return processors.TemplateProcessing(single=" ".join(parts), special_tokens=specials)
 
 
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _GGUF_SPECIAL_KEYS = {
     "bos_token": "bos",
     "eos_token": "eos",

@@ -94,15 +94,15 @@ def copy_bandwidth() -> float:
 class DecodeInputs:
     """``n`` independent input sets for one (batch, context) point, paged with ``page``."""
 
-    def __init__(self, bsz: int, ctx: int, page: int, n: int):
+    def __init__(self, bsz: int, ctx: int, page: int, n: int, hq: int = HQ, hkv: int = HKV):
         self.bsz, self.ctx, self.page = bsz, ctx, page
         nb = bsz * ctx // page
         self.sets = []
         for _ in range(n):
-            k = torch.randn(nb, page, HKV, D, device=DEV, dtype=DT)
-            v = torch.randn(nb, page, HKV, D, device=DEV, dtype=DT)
+            k = torch.randn(nb, page, hkv, D, device=DEV, dtype=DT)
+            v = torch.randn(nb, page, hkv, D, device=DEV, dtype=DT)
             bt = torch.randperm(nb, device=DEV, dtype=torch.int32).view(bsz, ctx // page)
-            q = torch.randn(bsz, HQ, D, device=DEV, dtype=DT)
+            q = torch.randn(bsz, hq, D, device=DEV, dtype=DT)
             self.sets.append((q, k, v, bt, torch.empty_like(q)))
         self.seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
 
@@ -115,10 +115,10 @@ def n_sets(bsz: int, ctx: int) -> int:
     return 1 if SMOKE else max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes(bsz, ctx))))
 
 
-def time_ours(bsz, ctx, page=16, **kw) -> float:
+def time_ours(bsz, ctx, page=16, hq=HQ, hkv=HKV, **kw) -> float:
     from kernels.decode import decode_attention
 
-    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx))
+    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx), hq, hkv)
     sl, scale = inp.seq_lens, D**-0.5
     calls = [
         (
@@ -285,8 +285,7 @@ def prefill_table(sizes) -> list[dict]:
 
 
 DECODE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages)
-    (64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 2, 4), (64, 2, 3),
-    (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (16, 2, 4),
+    (64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 4, 2), (32, 2, 4), (32, 4, 2),
 ]  # fmt: skip
 PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
@@ -296,37 +295,76 @@ PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
     256: [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3),
           (128, 64, 8, 2)],
 }  # fmt: skip
+SWEEP_POINTS = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384),
+                (32, 4096), (32, 131072)]  # fmt: skip
+SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill")
 
 
-def sweep(copy_gbs: float) -> dict:
-    """Tuning variants: stage-1 configs, split counts, page sizes, prefill tiles."""
-    res: dict = {"decode_config": [], "splits": [], "page": [], "prefill": []}
-    pts = [(1, 4096), (1, 131072), (8, 16384), (32, 4096)] if not SMOKE else [(1, 256)]
-    for bsz, ctx in pts:
-        for cfg in DECODE_CONFIGS:
-            us = attempt(time_ours, bsz, ctx, config=cfg)
-            res["decode_config"].append({"batch": bsz, "context": ctx, "config": cfg, "us": us})
-            print(f"  cfg B={bsz} ctx={ctx} {cfg}: {us}", flush=True)
-    pts = [(1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384), (16, 4096), (32, 4096)]
-    for bsz, ctx in pts if not SMOKE else [(1, 256)]:
-        for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 66, 99, 132, 198, 264):
-            if s * 64 > ctx or bsz * HKV * s > 8 * 132 * 4:
-                continue
-            us = attempt(time_ours, bsz, ctx, num_splits=s)
-            res["splits"].append({"batch": bsz, "context": ctx, "splits": s, "us": us})
-            print(f"  splits B={bsz} ctx={ctx} S={s}: {us}", flush=True)
-    for bsz, ctx in [(1, 4096), (1, 131072), (8, 16384), (32, 4096)] if not SMOKE else []:
-        for page in (16, 32, 64, 128, 256):
-            us = attempt(time_ours, bsz, ctx, page=page)
-            res["page"].append({"batch": bsz, "context": ctx, "page": page, "us": us})
-            print(f"  page B={bsz} ctx={ctx} page={page}: {us}", flush=True)
-    for n, d in [(16384, 128), (4096, 128), (4096, 64), (4096, 256)] if not SMOKE else [(256, 64)]:
-        for cfg in PREFILL_CONFIGS[d]:
-            us = attempt(time_prefill_ours, n, 16, d, config=cfg)
-            tf = prefill_flops(n) * d / D / us / 1e6 if us else None
-            res["prefill"].append({"tokens": n, "d": d, "config": cfg, "us": us, "tflops": tf})
-            print(f"  prefill n={n} d={d} {cfg}: {us} us {tf} TFLOP/s", flush=True)
+def sweep(which: list[str]) -> list[dict]:
+    """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
+
+    decode-config: stage-1 (BLOCK_N, warps, stages); pdl: the combine launched early or not;
+    layout: the same KV bytes with one KV head per sequence (each token's K row contiguous with
+    the next: the layout of a per-head cache) against [N, BS, Hkv, D] pages; splits: split
+    counts; page: page sizes; prefill: tile configs (TFLOP/s in "tflops").
+    """
+    from kernels import decode
+
+    res = []
+    pts = SWEEP_POINTS if not SMOKE else [(1, 256)]
+
+    def rec(kind, bsz, ctx, variant, us, **extra):
+        res.append({"sweep": kind, "batch": bsz, "context": ctx, "variant": variant, "us": us,
+                    **extra})  # fmt: skip
+        print(f"  {kind} B={bsz} ctx={ctx} {variant}: {fmt(us, '.1f')}", flush=True)
+
+    if "decode-config" in which:
+        for bsz, ctx in pts:
+            for cfg in DECODE_CONFIGS:
+                rec("decode-config", bsz, ctx, cfg, attempt(time_ours, bsz, ctx, config=cfg))
+    if "pdl" in which:
+        for bsz, ctx in pts:
+            for name, on, stage1 in (("none", False, False), ("combine", True, False),
+                                     ("combine+stage1", True, True)):  # fmt: skip
+                decode._USE_PDL, decode._PDL_STAGE1 = on, stage1
+                decode._pdl_supported.cache_clear()
+                rec("pdl", bsz, ctx, name, attempt(time_ours, bsz, ctx))
+        decode._USE_PDL, decode._PDL_STAGE1 = True, True
+        decode._pdl_supported.cache_clear()
+    if "layout" in which:
+        for bsz, ctx in [(1, 131072), (8, 16384), (8, 131072), (32, 16384)] if not SMOKE else pts:
+            rec("layout", bsz, ctx, "paged [N,BS,Hkv,D]", attempt(time_ours, bsz, ctx))
+            per_head = attempt(time_ours, bsz * HKV, ctx, hq=HQ // HKV, hkv=1)
+            rec("layout", bsz, ctx, "one KV head per sequence", per_head)
+    if "splits" in which:
+        for bsz, ctx in pts:
+            for s in (1, 2, 4, 8, 16, 24, 33, 48, 66, 99, 132):
+                if s * 64 <= ctx and bsz * HKV * s <= 4 * 132 * 2:
+                    rec("splits", bsz, ctx, s, attempt(time_ours, bsz, ctx, num_splits=s))
+    if "page" in which:
+        for bsz, ctx in pts:
+            for page in (16, 64, 256):
+                rec("page", bsz, ctx, page, attempt(time_ours, bsz, ctx, page=page))
+    if "prefill" in which:
+        for n, d in (
+            [(16384, 128), (4096, 128), (4096, 64), (4096, 256)] if not SMOKE else [(256, 64)]
+        ):
+            for cfg in PREFILL_CONFIGS[d]:
+                us = attempt(time_prefill_ours, n, 16, d, config=cfg)
+                tf = prefill_flops(n) * d / D / us / 1e6 if us else None
+                rec("prefill", 1, n, (d, *cfg), us, tflops=tf)
     return res
+
+
+def print_sweep(res: list[dict]) -> None:
+    """Per sweep and point, the variants from fastest to slowest."""
+    groups: dict = {}
+    for r in res:
+        groups.setdefault((r["sweep"], r["batch"], r["context"]), []).append(r)
+    for (kind, bsz, ctx), rs in groups.items():
+        rs = sorted((r for r in rs if r["us"]), key=lambda r: r["us"])
+        cells = [f"{r['variant']} {r['us']:.1f}" for r in rs]
+        print(f"{kind} B={bsz} ctx={ctx // 1024}K: " + ", ".join(cells))
 
 
 def fmt(x, spec):
@@ -356,7 +394,7 @@ def print_tables(copy_gbs, dec, pre):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write all results to this file")
-    ap.add_argument("--sweep", action="store_true", help="time tuning variants instead")
+    ap.add_argument("--sweep", help=f"time tuning variants instead: comma list of {SWEEPS}")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--prefill", default="4096,16384")
@@ -382,7 +420,7 @@ def main(argv=None) -> None:
     print(f"  copy {copy_gbs:,.0f} GB/s", flush=True)
     result = {"meta": meta, "copy_gbs": copy_gbs}
     if args.sweep:
-        result["sweep"] = sweep(copy_gbs)
+        result["sweep"] = sweep(args.sweep.split(","))
     else:
         batches = [int(x) for x in args.batches.split(",")]
         contexts = [int(x) for x in args.contexts.split(",")]
@@ -395,29 +433,6 @@ def main(argv=None) -> None:
         print_tables(copy_gbs, result["decode"], result["prefill"])
     else:
         print_sweep(result["sweep"])
-
-
-def print_sweep(res: dict) -> None:
-    print("\nbest decode config per point (BLOCK_N, warps, stages):")
-    for key in sorted({(r["batch"], r["context"]) for r in res["decode_config"]}):
-        rs = [r for r in res["decode_config"] if (r["batch"], r["context"]) == key and r["us"]]
-        rs.sort(key=lambda r: r["us"])
-        print(f"  B={key[0]} ctx={key[1]}: " + ", ".join(
-            f"{tuple(r['config'])} {r['us']:.1f}" for r in rs[:4]))  # fmt: skip
-    print("splits (µs):")
-    for key in sorted({(r["batch"], r["context"]) for r in res["splits"]}):
-        rs = [r for r in res["splits"] if (r["batch"], r["context"]) == key and r["us"]]
-        print(f"  B={key[0]} ctx={key[1]}: " + " ".join(f"{r['splits']}:{r['us']:.1f}" for r in rs))
-    print("page size (µs):")
-    for key in sorted({(r["batch"], r["context"]) for r in res["page"]}):
-        rs = [r for r in res["page"] if (r["batch"], r["context"]) == key and r["us"]]
-        print(f"  B={key[0]} ctx={key[1]}: " + " ".join(f"{r['page']}:{r['us']:.1f}" for r in rs))
-    print("prefill (TFLOP/s):")
-    for key in sorted({(r["tokens"], r["d"]) for r in res["prefill"]}):
-        rs = [r for r in res["prefill"] if (r["tokens"], r["d"]) == key and r["us"]]
-        rs.sort(key=lambda r: r["us"])
-        print(f"  n={key[0]} d={key[1]}: " + ", ".join(
-            f"{tuple(r['config'])} {r['tflops']:.0f}" for r in rs[:5]))  # fmt: skip
 
 
 if __name__ == "__main__":

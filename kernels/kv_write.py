@@ -7,6 +7,8 @@ copies its ``Hkv x D`` K and V rows, casting to the cache dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,10 @@ def _write_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # let a PDL-launched attention kernel start; it waits for this grid to finish
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
     if slot >= 0:
@@ -44,6 +49,16 @@ def _write_kv_kernel(
         v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         tl.store(KCache + dst_offs, k.to(KCache.dtype.element_ty), mask=mask)
         tl.store(VCache + dst_offs, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _pdl_trigger(device: torch.device) -> bool:
+    extra = getattr(tl, "extra", None)
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and hasattr(getattr(extra, "cuda", None), "gdc_launch_dependents")
+    )
 
 
 def write_kv(
@@ -83,5 +98,6 @@ def write_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=hkv, HEAD_DIM=d, PAGE=page,
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        PDL=_pdl_trigger(k.device),
         num_warps=4 if hkv * d >= 1024 else 2,
     )  # fmt: skip

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from flashserve import cli
 
+logger = logging.getLogger("flashserve.serve")
+
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -32,6 +34,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = cli.engine_config_from_args(args)
+    logger.info(
+        "loading %s on %s (%s)", config.model or "the default model", config.device, config.dtype
+    )
     llm = cli.load_engine(AsyncLLM, config)  # before uvicorn: a bad --model is a plain error
     app = build_app(llm=llm)
     # open streams would hold a shutdown forever: give them 5 s, then close them

@@ -1,13 +1,17 @@
-"""The command line, run as users run it: the console script and ``python -m``."""
+"""The command line: as users run it (``python -m``, the console script) where that matters,
+in-process (``main(argv)``, faster) for the many argument checks."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from server.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "dummy:tiny"]
@@ -18,6 +22,15 @@ def _run(*args: str, module: str = "server", timeout: float = 180) -> subprocess
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        status = main(list(args))
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
 def test_generate_prints_the_tokens():
     r = _run("generate", "hello", "--max-new-tokens", "6", *TINY)
     assert r.returncode == 0, r.stderr
@@ -25,13 +38,18 @@ def test_generate_prints_the_tokens():
     assert "[6 tokens in" in r.stderr and "finish reason: length" in r.stderr, r.stderr
 
 
-def test_generate_is_deterministic_and_seeded_sampling_too():
-    greedy = [_run("generate", "abc", "--max-new-tokens", "5", *TINY).stdout for _ in range(2)]
-    assert greedy[0] == greedy[1]
+def test_generate_is_deterministic_and_seeded_sampling_too(capsys):
+    greedy = [_main(capsys, "generate", "abc", "--max-new-tokens", "5", *TINY) for _ in range(2)]
+    assert greedy[0][0] == 0 and greedy[0][1] == greedy[1][1]
     args = ["generate", "abc", "--max-new-tokens", "5", "--temperature", "0.8", "--seed", "7"]
-    sampled = [_run(*args, *TINY, module="flashserve") for _ in range(2)]
-    assert sampled[0].returncode == 0, sampled[0].stderr
-    assert sampled[0].stdout == sampled[1].stdout
+    sampled = [_main(capsys, *args, *TINY) for _ in range(2)]
+    assert sampled[0][0] == 0, sampled[0][2]
+    assert sampled[0][1] == sampled[1][1]
+
+
+def test_python_m_flashserve_generates():
+    r = _run("generate", "abc", "--max-new-tokens", "3", *TINY, module="flashserve")
+    assert r.returncode == 0 and "[3 tokens in" in r.stderr, r.stderr
 
 
 def test_generate_chat_on_the_default_model():
@@ -51,6 +69,7 @@ def test_generate_chat_on_the_default_model():
         (["generate", "hi", "--device", "tpu", *TINY], 2, "device"),
         (["generate", "hi", "--model", "/no/such/model.gguf"], 1, "cannot load the model"),
         (["generate", "", *TINY], 1, "empty"),
+        (["generate", "--chat", "hi", *TINY], 1, "no chat template"),
         (["generate", "hi", "--max-new-tokens", "5000", *TINY], 1, "context length"),
         (["serve", "--port", "eighty"], 2, "invalid int value"),
         (["serve", "--model", "dummy:no-such-preset"], 1, "cannot load the model"),
@@ -58,22 +77,26 @@ def test_generate_chat_on_the_default_model():
         ([], 2, "required"),
     ],
 )
-def test_bad_arguments_fail_clearly(args, status, message):
-    r = _run(*args)
-    assert r.returncode == status, (r.returncode, r.stderr)
-    assert message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr, r.stderr
+def test_bad_arguments_fail_clearly(capsys, args, status, message):
+    got, _, err = _main(capsys, *args)
+    assert got == status, (got, err)
+    assert message in err, err
+    assert "Traceback" not in err, err
 
 
-def test_help_lists_the_commands():
-    top = _run("--help")
-    assert top.returncode == 0 and "serve" in top.stdout and "generate" in top.stdout
+def test_help_lists_the_commands(capsys):
+    status, out, _ = _main(capsys, "--help")
+    assert status == 0 and _lists_command(out, "serve") and _lists_command(out, "generate")
     engine_only = _run("--help", module="flashserve")
-    assert engine_only.returncode == 0 and "generate" in engine_only.stdout
-    assert "serve" not in engine_only.stdout, "the engine package must not know the server"
-    serve = _run("serve", "--help")
+    assert engine_only.returncode == 0 and _lists_command(engine_only.stdout, "generate")
+    assert not _lists_command(engine_only.stdout, "serve"), "the engine must not know the server"
+    status, out, _ = _main(capsys, "serve", "--help")
     for option in ("--host", "--port", "--model", "--max-kv-tokens", "--attention-backend"):
-        assert option in serve.stdout
+        assert option in out
+
+
+def _lists_command(help_text: str, name: str) -> bool:
+    return re.search(rf"^\s+{name}\s", help_text, re.MULTILINE) is not None
 
 
 def test_console_script_is_installed():

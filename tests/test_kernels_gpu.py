@@ -168,3 +168,42 @@ def test_prefill_llama3_8b_4k_chunked():
         sl_c = torch.tensor([b], dtype=torch.int32, device="cuda")
         parts.append(prefill_attention(q[a:b], k, v, cu_c, sl_c, bt, d**-0.5, max_query_len=b - a))
     check(torch.cat(parts), whole, 1e-2, "chunked vs whole")
+
+
+def test_decode_pdl_matches_plain_launches():
+    """The combine launched early (PDL) waits for stage 1: same bits as plain launches."""
+    from kernels import decode
+
+    k, v, bt, sl = paged([4096, 100, 70000, 1], 8, 128, 16)
+    q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    runs = {}
+    for on in (True, False):
+        decode._USE_PDL = on
+        decode._pdl_supported.cache_clear()
+        runs[on] = [decode.decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=70000)
+                    for _ in range(20)]  # fmt: skip
+    decode._USE_PDL = True
+    decode._pdl_supported.cache_clear()
+    for out in runs[True] + runs[False][1:]:
+        assert torch.equal(out, runs[False][0])
+
+
+def test_write_kv_then_decode_chain():
+    """The engine's order, write_kv then decode (stage 1 may start early under PDL and must
+    wait for the write): every step sees the token it just wrote."""
+    decode_attention, _, write_kv = _lazy()
+    bsz, hq, hkv, d, page = 3, 32, 8, 128, 16
+    lens = [1000, 17, 5000]
+    k, v, bt, sl = paged([n + 12 for n in lens], hkv, d, page)
+    sl.copy_(torch.tensor(lens, dtype=torch.int32))
+    for _ in range(12):
+        pos = sl.long()  # the new token's position
+        slots = bt.gather(1, (pos // page)[:, None]).squeeze(1).long() * page + pos % page
+        k_new = torch.randn(bsz, hkv, d, device="cuda", dtype=torch.bfloat16) * 4
+        v_new = torch.randn_like(k_new) * 4
+        sl += 1
+        q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
+        write_kv(k_new, v_new, k, v, slots)  # directly followed by decode's stage 1
+        out = decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=8192)
+        ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5)
+        check(out, ref, BF16_TOL, f"chain at {sl.tolist()}")

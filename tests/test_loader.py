@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from model_utils import describe_diff, rel_err, run_prompts
+from model_utils import LLAMA3_ROPE, TINY, assert_close, hf_logits, make_hf, randomize, run_prompts
 from safetensors.torch import load_file, save_file
-from test_model import LLAMA3_ROPE, TINY, make_hf
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
@@ -47,16 +46,6 @@ def load_hf_reference(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_logits(hf, prompts):
-    with torch.no_grad():
-        return [hf(input_ids=torch.tensor([p])).logits[0].float() for p in prompts]
-
-
-def assert_logits_close(ours, ref, tol):
-    for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
-        assert rel_err(o, r) < tol, f"prompt {i}: {describe_diff(o, r)}"
-
-
 HF_CASES = [
     ("llama", torch.float32, None),
     ("llama-tied-llama3rope", torch.bfloat16, "200KB"),
@@ -74,7 +63,7 @@ def test_hf_dir_logits_match_transformers(tmp_path, variant, file_dtype, shard):
     loaded = load_model(str(tmp_path), "cpu", torch.float32, "torch")
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (1, 23, 40)]
     ours = run_prompts(loaded.model, prompts, block_size=16, shuffle=True)
-    assert_logits_close(ours, hf_logits(ref, prompts), 1e-4)
+    assert_close(ours, hf_logits(ref, prompts), 1e-4)
 
 
 def test_hf_dir_config_tokenizer_and_target_dtype(tmp_path):
@@ -86,7 +75,7 @@ def test_hf_dir_config_tokenizer_and_target_dtype(tmp_path):
     assert loaded.tokenizer.encode("w5 w9", add_special_tokens=False) == [5, 9]
     prompt = [[3, 100, 200, 300, 400]]
     ref = hf_logits(load_hf_reference(tmp_path), prompt)
-    assert_logits_close(run_prompts(loaded.model, prompt), ref, 2e-2)
+    assert_close(run_prompts(loaded.model, prompt), ref, 2e-2)
 
 
 def test_hf_dir_missing_tensor_is_named(tmp_path):
@@ -129,17 +118,33 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def random_kquant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
     """Raw Q4_K / Q6_K blocks (the gguf package cannot quantise these): random codes and
-    scales, with small finite fp16 super-block scales. Byte layout per 256 values:
-    Q4_K = d, dmin (fp16) + 12 scale bytes + 128 code bytes; Q6_K = 128 + 64 code bytes +
-    16 int8 scales + d (fp16)."""
+    sub-block scales, with fp16 super-block scales chosen so that the weights have mean ~0
+    and std ``1/sqrt(cols)`` (saturated attention would hide layout errors).
+
+    Bytes per 256 values: Q4_K = d, dmin (fp16) + 12 packed 6-bit scales/mins + 128 code
+    bytes (w = d*sc*q - dmin*m); Q6_K = 192 code bytes + 16 int8 scales + d (fp16)."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
-    d = (rng.uniform(0.5, 1.0, (rows, cols // block)) * 2e-3).astype(np.float16)
-    if qtype == Q.Q4_K:
-        blocks[..., 0:2] = d[..., None].view(np.uint8)
-        blocks[..., 2:4] = (d / 2)[..., None].view(np.uint8)
-    else:
-        blocks[..., -2:] = (d / 8)[..., None].view(np.uint8)
+    fields = {Q.Q4_K: (slice(0, 2), slice(2, 4)), Q.Q6_K: (slice(nbytes - 2, nbytes), None)}
+    d_at, dmin_at = fields[qtype]
+
+    def dequant(d: float, dmin: float) -> np.ndarray:  # [rows, blocks, 256]
+        blocks[..., d_at] = np.full(blocks.shape[:2], d, np.float16)[..., None].view(np.uint8)
+        if dmin_at:
+            blocks[..., dmin_at] = np.full(blocks.shape[:2], dmin, np.float16)[..., None].view(
+                np.uint8
+            )
+        return gguf.quants.dequantize(blocks.reshape(rows, -1), qtype).reshape(rows, -1, block)
+
+    scaled, ratio = dequant(1.0, 0.0), np.zeros(blocks.shape[:2])
+    if dmin_at:
+        mins = dequant(0.0, 1.0)  # -m per value
+        ratio = scaled.mean(-1) / -mins.mean(-1)  # dmin/d that zeroes each block's mean
+        scaled = scaled + ratio[..., None] * mins
+    d = 1 / (cols**0.5 * scaled.std())
+    blocks[..., d_at] = np.full(blocks.shape[:2], d, np.float16)[..., None].view(np.uint8)
+    if dmin_at:
+        blocks[..., dmin_at] = (d * ratio).astype(np.float16)[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -223,8 +228,6 @@ def add_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
 
 def make_gguf_hf(extra: dict | None = None):
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**GGUF_TINY, **(extra or {})}))
-    from test_model import randomize
-
     randomize(hf)
     return hf.eval()
 
@@ -247,7 +250,7 @@ def test_gguf_quant_types_match_transformers(tmp_path, qtype):
     assert not loaded.config.tie_word_embeddings
     prompts = [torch.randint(0, 300, (n,)).tolist() for n in (1, 19, 40)]
     ours = run_prompts(loaded.model, prompts, block_size=8, shuffle=True)
-    assert_logits_close(ours, hf_logits(ref, prompts), 1e-4)
+    assert_close(ours, hf_logits(ref, prompts), 1e-4)
 
 
 def llamacpp_rope_factors(s: dict, head_dim: int) -> np.ndarray:
@@ -281,7 +284,7 @@ def test_gguf_rope_freqs_match_transformers_llama3_rope(tmp_path):
     assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
     assert loaded.config.tie_word_embeddings and loaded.config.eos_token_ids == [257]
     prompts = [torch.randint(0, 300, (n,)).tolist() for n in (7, 200)]
-    assert_logits_close(run_prompts(loaded.model, prompts), hf_logits(hf, prompts), 1e-4)
+    assert_close(run_prompts(loaded.model, prompts), hf_logits(hf, prompts), 1e-4)
 
 
 def test_unpermute_inverts_llamacpp_permute():
@@ -308,7 +311,7 @@ def default_models():
 def test_default_model_logits_match_transformers(default_models):
     ours, ref = default_models
     prompt = torch.randint(0, ours.config.vocab_size, (40,)).tolist()
-    assert_logits_close(run_prompts(ours.model, [prompt]), hf_logits(ref, [prompt]), 1e-4)
+    assert_close(run_prompts(ours.model, [prompt]), hf_logits(ref, [prompt]), 1e-4)
 
 
 def test_default_model_config_and_tokenizer(default_models):

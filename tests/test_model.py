@@ -6,9 +6,17 @@ import pytest
 import torch
 import transformers
 from model_utils import (
+    LINEAR_ROPE,
+    LLAMA3_ROPE,
+    TINY,
+    VARIANTS,
+    assert_close,
     block_tables,
     describe_diff,
+    hf_logits,
+    make_hf,
     make_kv_caches,
+    random_prompts,
     rel_err,
     run_chunks,
     run_prompts,
@@ -21,61 +29,8 @@ from flashserve.models import get_model_class
 from flashserve.models.llama import LlamaForCausalLM, RMSNorm, build_model, init_random
 from flashserve.models.rope import RotaryEmbedding, apply_rope
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 256,  # low/high wavelengths 256/64: all 3 regimes
-}
-LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
-VARIANTS = {
-    "llama": (transformers.LlamaConfig, {}),
-    "llama-tied-llama3rope": (
-        transformers.LlamaConfig,
-        {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE},
-    ),
-    "llama-bias-linearrope": (
-        transformers.LlamaConfig,
-        {"attention_bias": True, "rope_parameters": LINEAR_ROPE, "num_key_value_heads": 4},
-    ),
-    "mistral-headdim32": (transformers.MistralConfig, {"head_dim": 32, "num_key_value_heads": 1}),
-    "qwen2-tied": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
-}
 PROMPT_LENS = [1, 17, 40, 5]  # the one-token prompt runs as a decode token
 TORCH = load_backend("torch")
-
-
-def randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights large enough that attention is far from uniform: N(0, 1/fan_in) for matrices,
-    norms 1 + N(0, 0.1), biases N(0, 0.1)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.dim() == 2:
-                p.copy_(noise / p.shape[1] ** 0.5 * (3.0 if "embed" in name else 1.0))
-            elif "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-
-
-def make_hf(variant: str, dtype: torch.dtype = torch.float32):
-    cls, extra = VARIANTS[variant]
-    hf = transformers.AutoModelForCausalLM.from_config(cls(**{**TINY, **extra}))
-    randomize(hf)
-    return hf.to(dtype).eval()
 
 
 def ours_from_hf(hf, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
@@ -83,21 +38,6 @@ def ours_from_hf(hf, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     model = build_model(config, TORCH, "cpu", dtype)
     model.load_weights(hf.state_dict().items())
     return model
-
-
-def hf_logits(hf, prompts: list[list[int]]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [hf(input_ids=torch.tensor([p])).logits[0].float() for p in prompts]
-
-
-def random_prompts(lens: list[int], vocab: int) -> list[list[int]]:
-    return [torch.randint(0, vocab, (n,)).tolist() for n in lens]
-
-
-def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float) -> None:
-    for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
-        assert o.shape == r.shape, f"prompt {i}: shape {tuple(o.shape)} vs {tuple(r.shape)}"
-        assert rel_err(o, r) < tol, f"prompt {i} (len {len(o)}): {describe_diff(o, r)}"
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["contiguous", "shuffled"])

@@ -30,6 +30,7 @@ from tokenizers import Tokenizer as Backend
 
 from flashserve import gguf_tokenizer
 from flashserve.chat_template import render_chat
+from flashserve.gguf_metadata import read_gguf_metadata
 from flashserve.tokenizer import Tokenizer
 
 CONVERSATION = [
@@ -46,8 +47,8 @@ def reader():
 
 
 @pytest.fixture(scope="module")
-def ours(reader):
-    return Tokenizer.from_gguf(reader)
+def ours():
+    return Tokenizer.from_gguf(default_gguf_path())
 
 
 @pytest.fixture(scope="module")
@@ -144,12 +145,22 @@ def test_gguf_special_ids(ours, hf):
     assert ours.encode("hi", add_special_tokens=True) == ours.encode("hi", False)  # no BOS
 
 
-def test_gguf_from_metadata_mapping(reader, ours):
+def test_gguf_metadata_reader_matches_gguf_package(reader):
+    meta = read_gguf_metadata(default_gguf_path())
+    want = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert meta.keys() == want.keys()
+    bad = [k for k in want if meta[k] != want[k] or type(meta[k]) is not type(want[k])]
+    assert not bad, f"values differ: {bad}"
+
+
+@pytest.mark.parametrize("source", ["reader", "mapping"])
+def test_gguf_from_reader_or_mapping(reader, ours, source):
     meta = {k: f.contents() for k, f in reader.fields.items()}
-    again = Tokenizer.from_gguf(meta)
+    again = Tokenizer.from_gguf(reader if source == "reader" else meta)
     text = HARD_TEXTS[1] + HARD_TEXTS[9]
     assert again.encode(text) == ours.encode(text)
     assert again.chat_template == ours.chat_template
+    assert again.all_special_ids == ours.all_special_ids
 
 
 def test_gguf_unknown_model_is_rejected():
@@ -223,6 +234,9 @@ FEATURE_TEMPLATE = """{{ bos_token }}
     {% if m['role'] == 'system' %}{% continue %}{% endif %}
     {%- set ns.n = ns.n + 1 %}
     [{{ ns.n }}] {{ m | tojson }} {{ m['content'] | tojson(indent=2) }}
+    {% if m['role'] == 'assistant' %}
+    {% generation %}<a>{{ m['content'] }}</a>{% endgeneration %}
+    {% endif %}
     {% if loop.last %}{{ eos_token }}{% endif %}
 {% endfor %}
 {% if tools is defined %}{{ tools | tojson }}{% endif %}

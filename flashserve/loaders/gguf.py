@@ -79,7 +79,7 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 
 def _to_hf_layout(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """llama.cpp interleaves the two RoPE halves of each Llama Q/K head; undo that."""
-    if True:
+    if config.architecture != "llama":
         return w
     if ".attn_q." in name:
         return unpermute_qk(w, config.num_attention_heads)

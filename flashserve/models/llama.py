@@ -88,7 +88,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,  # [T, 1, D/2]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
