@@ -136,10 +136,11 @@ def _sentencepiece_bpe(meta: Mapping[str, Any]) -> Backend:
     # Like llama.cpp (and SentencePiece on plain text): one space before the text and before
     # the text after each special token, every space written as ▁.
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    steps = [normalizers.Prepend("▁")] if prefix else []
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    prepend = [normalizers.Prepend("▁")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*prepend, normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if prefix else []  # the space put before the text
+    unescape = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(unescape + strip)
     return backend
 
 

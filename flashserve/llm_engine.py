@@ -34,6 +34,7 @@ class Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     text: str = ""
+    stop_string_hit: bool = False
 
 
 class LLMEngine:
@@ -156,6 +157,8 @@ class LLMEngine:
         reason = self._stop_reason(req, tok.token_id, len(delta))
         if reason is None:
             return self._output(req, [token], False, None)
+        if not req.stop_string_hit:
+            req.text += req.detokenizer.flush()  # bytes that never formed a character
         self.scheduler.finish(seq, reason)
         return self._close(req, reason, [token])
 
@@ -183,6 +186,7 @@ class LLMEngine:
         if not hits:
             return False
         req.text = req.text[: min(hits)]
+        req.stop_string_hit = True
         return True
 
     def _close(self, req: Request, reason: str, tokens: list[TokenOutput]) -> RequestOutput:

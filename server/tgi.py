@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -114,7 +114,7 @@ def _prepare(llm: AsyncLLM, body: GenerateRequest) -> tuple[str | list[int], Sam
 
 async def _start(
     request: Request, llm: AsyncLLM, prompt: str | list[int], params: SamplingParams
-) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
     """Submit the request and wait for its first output, so that the engine's checks (prompt
     length against the context) answer with a 422 before any response has started."""
     outputs = llm.generate(prompt, params)
@@ -128,7 +128,7 @@ async def _start(
 
 
 async def _collect(
-    first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+    first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
 ) -> tuple[list[TokenOutput], RequestOutput]:
     tokens, last = list(first.new_tokens), first
     if not first.finished:
@@ -138,7 +138,7 @@ async def _collect(
 
 
 async def _events(
-    body: GenerateRequest, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+    body: GenerateRequest, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
 ) -> AsyncIterator[str]:
     """One SSE event per token; the last one also carries generated_text and details. Once the
     200 header is out, an error can only travel as an event."""
