@@ -87,6 +87,7 @@ class DecodeGraphs:
         return (
             b > 0
             and host.num_decodes == b
+            and len(host.sample_rows) == b
             and b <= self.buckets[-1]
             and host.block_tables.shape[1] <= self.max_blocks
         )

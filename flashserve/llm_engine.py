@@ -125,9 +125,7 @@ class LLMEngine:
         outs = []
         for req in list(self.requests.values()):
             self.scheduler.abort(req.seq.seq_id)
-            out = self._close(req, "error", [])
-            out.error = error
-            outs.append(out)
+            outs.append(self._fail(req, error))
         return outs
 
     def has_unfinished(self) -> bool:
@@ -139,12 +137,19 @@ class LLMEngine:
         """Schedule, run the model, append the sampled tokens; outputs of requests that got a
         token (or finished)."""
         sched = self.scheduler.schedule()
+        outputs = [self._fail(self._by_seq[s.seq_id], s.error) for s in sched.errored]
         if sched.is_empty:
-            return []
+            return outputs
         sampling = [s for s in sched.seqs if s.samples_this_step]
         tokens = self.runner.execute(sched.seqs)
         self.scheduler.update(sched)
-        return [self._append(self._by_seq[s.seq_id], t) for s, t in zip(sampling, tokens)]
+        outputs += [self._append(self._by_seq[s.seq_id], t) for s, t in zip(sampling, tokens)]
+        return outputs
+
+    def _fail(self, req: Request, error: str | None) -> RequestOutput:
+        out = self._close(req, FinishReason.ERROR, [])
+        out.error = error
+        return out
 
     def _append(self, req: Request, tok: SampledToken) -> RequestOutput:
         seq = req.seq

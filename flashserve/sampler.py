@@ -58,11 +58,19 @@ def exponential_noise(
 ) -> torch.Tensor:
     """Exp(1) noise for each (row, vocab index): [S], [S], [V] -> [S, V] float32.
 
-    vocab_hash is hash32 of arange(V). u = (top 23 bits of the hash + 0.5) / 2**23 is exact in
-    float32 and lies in [2**-24, 1 - 2**-24] (24 bits would round the top value to 1.0, E = 0,
-    and p / E = inf would pick that token whatever its probability). E = -log(u) > 0.
+    vocab_hash is hash32 of arange(V).
     """
     bits = hash32_(vocab_hash.unsqueeze(0) ^ row_keys(seed, step).unsqueeze(1))  # [S, V]
+    return exponential_from_bits_(bits)
+
+
+def exponential_from_bits_(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64, consumed) -> Exp(1) float32 E = -log(u), always > 0 and finite.
+
+    u = (top 23 bits + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24]. With 24
+    bits the top value would round to 1.0, E = 0, and p / E = inf would pick that token whatever
+    its probability (1 row in 128 at V = 128K).
+    """
     u = bits.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(2.0**-23)
     return u.log_().neg_()
 

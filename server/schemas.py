@@ -6,7 +6,13 @@ the ranges with TGI's rules and messages and maps TGI's parameters onto ``Sampli
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from flashserve.sampling_params import SamplingParams
 
@@ -48,6 +54,12 @@ class GenerateParameters(_Strict):
 class GenerateRequest(_Strict):
     inputs: str
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+
+class CompatGenerateRequest(GenerateRequest):
+    """``POST /``, where TGI's Python client sends its requests: streams when ``stream``."""
+
+    stream: bool = False
 
 
 def to_sampling_params(p: GenerateParameters) -> SamplingParams:
@@ -117,6 +129,14 @@ class Details(BaseModel):
 class GenerateResponse(BaseModel):
     generated_text: str
     details: Details | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_missing_details(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """TGI leaves ``details`` out (rather than null) unless they were asked for."""
+        data = handler(self)
+        if self.details is None:
+            data.pop("details", None)
+        return data
 
 
 class StreamDetails(BaseModel):

@@ -17,6 +17,7 @@ from flashserve.outputs import RequestOutput, TokenOutput
 from flashserve.sampling_params import SamplingParams
 from server.errors import APIError, error_body, validating
 from server.schemas import (
+    CompatGenerateRequest,
     Details,
     GenerateRequest,
     GenerateResponse,
@@ -52,8 +53,7 @@ async def info(request: Request) -> Info:
     )
 
 
-# exclude_unset: "details" is left out unless asked for, as TGI does
-@router.post("/generate", response_model_exclude_unset=True)
+@router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     llm = _engine(request)
     prompt, params = _prepare(llm, body)
@@ -71,7 +71,6 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         finish_reason=last.finish_reason or "length",
         generated_tokens=last.num_generated_tokens,
         seed=last.seed if body.parameters.sampling else None,
-        prefill=[],
         tokens=[_token(t) for t in tokens],
     )
     return GenerateResponse(generated_text=text, details=details)
@@ -84,6 +83,18 @@ async def generate_stream(body: GenerateRequest, request: Request) -> StreamingR
     first, outputs = await _start(request, llm, prompt, params)
     events = _events(body, first, outputs)
     return StreamingResponse(events, media_type="text/event-stream")
+
+
+@router.post("/", response_model=None)
+async def compat_generate(
+    body: CompatGenerateRequest, request: Request
+) -> list[GenerateResponse] | StreamingResponse:
+    """TGI's root route: a stream, or the response in a list; full text unless told not to."""
+    if body.parameters.return_full_text is None:
+        body.parameters.return_full_text = True
+    if body.stream:
+        return await generate_stream(body, request)
+    return [await generate(body, request)]
 
 
 # ---- helpers -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 from flashserve.sampler import (
     Sampler,
     apply_penalties,
+    exponential_from_bits_,
     exponential_noise,
     hash32_,
 )
@@ -91,6 +92,12 @@ def test_noise_is_exponential():
     ks = float((cdf - ideal).abs().max())
     assert ks < 2.8 / math.sqrt(e.numel()), f"KS distance {ks}"
     assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+
+
+def test_noise_is_positive_and_finite_at_the_extreme_hashes():
+    bits = torch.tensor([0, 1, 511, 512, 2**31, M32 - 512, M32 - 511, M32])
+    e = exponential_from_bits_(bits)
+    assert bool((e > 0).all()) and bool(torch.isfinite(e).all()), f"noise {e}"
 
 
 @pytest.mark.parametrize("n,v", [(1, 1), (5, 17), (9, 1000)])

@@ -135,6 +135,20 @@ def test_concurrent_requests_match_sequential(url, client):
     assert asyncio.run(together()) == sequential
 
 
+def test_root_route_as_tgi_clients_use_it(client):
+    """TGI's Python client posts to "/": a list of one response (full text by default), or
+    the stream when ``stream`` is true."""
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
+    r = client.post("/", json=body)
+    assert r.status_code == 200, r.text
+    [out] = r.json()
+    assert out["generated_text"].startswith("Hello") and len(out["generated_text"]) > 5
+    with client.stream("POST", "/", json={**body, "stream": True}) as r:
+        events = list(sse_events(r.iter_lines()))
+    assert len(events) == 2 and events[-1]["details"]["generated_tokens"] == 2
+    assert client.post("/", json={"inputs": ""}).status_code == 422
+
+
 INVALID = {
     "bad json": '{"inputs": "hi",',
     "not an object": '["hi"]',
