@@ -8,71 +8,18 @@ its own logits, seed and step: not on the other rows, the batch order or any gen
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from flashserve.sampling_noise import exponential_noise, hash32_
 from flashserve.sequence import Sequence
 
-_M32 = 0xFFFFFFFF
 # Temperatures below this sample greedily: dividing by them can overflow float32 (1e2 / 1e-37 is
 # inf), and at 1e-5 a logit gap of 1e-3 is already a factor e**100 between probabilities.
 _MIN_TEMPERATURE = 1e-5
-
-
-def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
-    """In place: x * c mod 2**32, for int64 x in [0, 2**32) and a 32-bit constant c.
-
-    x * (c mod 2**31) < 2**63 never overflows int64; the dropped 2**31 * bit31(c) term adds
-    (x & 1) << 31 mod 2**32. So CPU and CUDA compute the same bits with no signed overflow.
-    """
-    top = (x & 1) << 31 if c >> 31 else None
-    x.mul_(c & 0x7FFFFFFF)
-    if top is not None:
-        x.add_(top)
-    return x.bitwise_and_(_M32)
-
-
-def hash32_(x: torch.Tensor) -> torch.Tensor:
-    """In place: lowbias32 (C. Wellons), a bijective 32-bit mixer. x: int64 in [0, 2**32)."""
-    x.bitwise_xor_(x >> 16)
-    _mul32_(x, 0x7FEB352D)
-    x.bitwise_xor_(x >> 15)
-    _mul32_(x, 0x846CA68B)
-    return x.bitwise_xor_(x >> 16)
-
-
-def row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """[S] int64 seeds (63-bit) and steps -> [S] int64 32-bit keys.
-
-    For a fixed seed, distinct steps (mod 2**32) give distinct keys: a stream never repeats.
-    """
-    key = hash32_(seed >> 32)
-    key = hash32_(key.bitwise_xor_(seed & _M32))
-    return hash32_(key.bitwise_xor_(step & _M32))
-
-
-def exponential_noise(
-    seed: torch.Tensor, step: torch.Tensor, vocab_hash: torch.Tensor
-) -> torch.Tensor:
-    """Exp(1) noise for each (row, vocab index): [S], [S], [V] -> [S, V] float32.
-
-    vocab_hash is hash32 of arange(V).
-    """
-    bits = hash32_(vocab_hash.unsqueeze(0) ^ row_keys(seed, step).unsqueeze(1))  # [S, V]
-    return exponential_from_bits_(bits)
-
-
-def exponential_from_bits_(bits: torch.Tensor) -> torch.Tensor:
-    """32-bit hashes (int64, consumed) -> Exp(1) float32 E = -log(u), always > 0 and finite.
-
-    u = (top 23 bits + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24]. With 24
-    bits the top value would round to 1.0, E = 0, and p / E = inf would pick that token whatever
-    its probability (1 row in 128 at V = 128K).
-    """
-    u = bits.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(2.0**-23)
-    return u.log_().neg_()
 
 
 @dataclass
@@ -163,7 +110,7 @@ def _pack_sampling(packer: _Packer, seqs: list[Sequence], rows: list[int]) -> No
         packer.add("rows", np.array(rows))
 
 
-def _pack_penalties(packer: _Packer, seqs: list[Sequence], vocab_size: int) -> bool:
+def _pack_penalties(packer: _Packer, seqs: list[Sequence], tokens: _TokenArrays) -> bool:
     """Adds penalty inputs when some row uses one; returns whether it did."""
     ps = [s.params for s in seqs]
     rep = [r for r, p in enumerate(ps) if p.repetition_penalty != 1.0]
@@ -176,17 +123,43 @@ def _pack_penalties(packer: _Packer, seqs: list[Sequence], vocab_size: int) -> b
         [p.frequency_penalty for p in ps],
     ]
     packer.add("penalty_floats", _float_bits(cols))
+    v = tokens.vocab_size
     if rep:
-        packer.add("seen", _flat_tokens([seqs[r].token_ids for r in rep], rep, vocab_size))
+        packer.add("seen", _flat([tokens(seqs[r]) for r in rep], rep, v))
     if out:
-        packer.add("output", _flat_tokens([seqs[r].output_token_ids for r in out], out, vocab_size))
+        outputs = [tokens(seqs[r])[seqs[r].num_prompt_tokens :] for r in out]
+        packer.add("output", _flat(outputs, out, v))
     return True
 
 
-def _flat_tokens(token_lists: list[list[int]], rows: list[int], vocab_size: int) -> np.ndarray:
+def _flat(token_arrays: list[np.ndarray], rows: list[int], vocab_size: int) -> np.ndarray:
     """Token ids of the given rows as flat ``row * V + token`` indices, [sum of lengths]."""
-    parts = [np.asarray(t, dtype=np.int64) + r * vocab_size for t, r in zip(token_lists, rows)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return np.concatenate([t + r * vocab_size for t, r in zip(token_arrays, rows)])
+
+
+class _TokenArrays:
+    """Each sequence's token ids (prompt then output) as int64, extended as tokens are appended.
+
+    Converting a Python list costs ~20 ns a token: ~2 ms a step for one 100K-token prompt under a
+    repetition penalty, without this cache. Weakly keyed, so finished sequences drop out.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, seq: Sequence) -> np.ndarray:
+        """[num_tokens] int64, a view into the cached buffer."""
+        buf, n = self._cache.get(seq, (None, 0))
+        total, p = seq.num_tokens, seq.num_prompt_tokens
+        if buf is None or not p <= n <= total:
+            buf, n = np.empty(2 * total, dtype=np.int64), p
+            buf[:p] = seq.prompt_token_ids
+        elif total > buf.size:
+            buf = np.concatenate([buf[:n], np.empty(2 * total - n, dtype=np.int64)])
+        buf[n:total] = seq.output_token_ids[n - p :]
+        self._cache[seq] = (buf, total)
+        return buf[:total]
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties | None) -> torch.Tensor:
@@ -254,6 +227,7 @@ class Sampler:
         self.device = torch.device(device)
         vocab = torch.arange(vocab_size, dtype=torch.int64, device=self.device)
         self._vocab_hash = hash32_(vocab)  # [V]
+        self._tokens = _TokenArrays(vocab_size)
 
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
         """Host -> device, in one copy: per-row parameters and, if used, penalty histories."""
@@ -261,7 +235,7 @@ class Sampler:
         packer = _Packer()
         if sampled:
             _pack_sampling(packer, seqs, sampled)
-        has_penalties = _pack_penalties(packer, seqs, self.vocab_size)
+        has_penalties = _pack_penalties(packer, seqs, self._tokens)
         t = packer.upload(self.device)
         ps = [seqs[i].params for i in sampled]
         floats = _as_float(t["floats"]) if sampled else [None] * 3

@@ -4,7 +4,10 @@
   a prompt too long for the context): 422 ``validation``;
 - a generation that failed inside the engine: 424 ``generation`` (as TGI);
 - the engine not running: 503 ``unavailable``;
+- the client disconnected before the answer: 499 ``client_closed`` (for the access log only);
 - anything unexpected: 500 ``internal``; the traceback goes to the log, never to the client.
+
+Once a stream has started, errors travel as an event with the same body (``server/tgi.py``).
 """
 
 from __future__ import annotations

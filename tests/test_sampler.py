@@ -9,13 +9,8 @@ import random
 import pytest
 import torch
 
-from flashserve.sampler import (
-    Sampler,
-    apply_penalties,
-    exponential_from_bits_,
-    exponential_noise,
-    hash32_,
-)
+from flashserve.sampler import Sampler, apply_penalties
+from flashserve.sampling_noise import exponential_from_bits_, exponential_noise, hash32_
 from flashserve.sampling_params import SamplingParams
 from flashserve.sequence import Sequence
 
@@ -80,6 +75,18 @@ def test_hash32_matches_python_integers():
     want = [lowbias32(v) for v in values]
     bad = [(v, g, w) for v, g, w in zip(values, got, want) if g != w]
     assert not bad, f"{len(bad)} mismatches, first (in, got, want): {bad[:3]}"
+
+
+def test_noise_matches_python_integers():
+    v, n = 300, 4
+    seeds = [random.getrandbits(63) for _ in range(n)]
+    steps = [random.getrandbits(31) for _ in range(n)]
+    got = exponential_noise(torch.tensor(seeds), torch.tensor(steps), hash32_(torch.arange(v)))
+    for seed, step, row in zip(seeds, steps, got):
+        key = lowbias32(lowbias32(lowbias32(seed >> 32) ^ (seed & M32)) ^ step)
+        bits = [lowbias32(lowbias32(i) ^ key) for i in range(v)]
+        u = (torch.tensor(bits, dtype=torch.float64) // 512 + 0.5) / 2**23
+        torch.testing.assert_close(row, -u.float().log(), rtol=0, atol=0)
 
 
 def test_noise_is_exponential():
@@ -263,12 +270,17 @@ def penalty_batch(n: int, v: int) -> list[Sequence]:
 
 def test_penalties_match_reference():
     n, v = 12, 25
-    seqs, logits = penalty_batch(n, v), torch.randn(n, v) * 3
-    sampler = Sampler(v, "cpu")
-    batch = sampler.prepare(seqs)
-    got = apply_penalties(logits, batch.penalties)
-    torch.testing.assert_close(got, penalised_reference(logits, seqs), rtol=1e-6, atol=1e-6)
-    assert torch.equal(sampler(logits, batch).token_ids, got.argmax(-1))
+    seqs, sampler = penalty_batch(n, v), Sampler(v, "cpu")
+    for step in range(4):  # the sampler caches token arrays: they must follow appended tokens
+        logits = torch.randn(n, v) * 3
+        batch = sampler.prepare(seqs)
+        got = apply_penalties(logits, batch.penalties)
+        want = penalised_reference(logits, seqs)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"step {step}")
+        assert torch.equal(sampler(logits, batch).token_ids, got.argmax(-1))
+        for s in random.sample(seqs, n // 2):
+            for _ in range(random.randint(1, 40)):
+                s.append_token(random.randrange(v))
 
 
 def test_repetition_penalty_matches_transformers():
