@@ -3,6 +3,7 @@
 #   make test     the test suite
 # Both create .venv and install into it once (again only when pyproject.toml or the install
 # script change). Options: make serve PORT=8080 HOST=0.0.0.0 MODEL=path/to/model ARGS="..."
+# (more `flashserve serve` options); make test ARGS="tests/test_server.py -x" (pytest arguments).
 
 PYTHON ?= python3
 VENV ?= .venv

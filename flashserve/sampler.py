@@ -8,18 +8,21 @@ its own logits, seed and step: not on the other rows, the batch order or any gen
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from flashserve.sampling_noise import exponential_noise, hash32_
+from flashserve.sampler_inputs import (
+    Packer,
+    Staging,
+    TokenArrays,
+    as_float,
+    is_greedy,
+    pack_penalties,
+    pack_sampling,
+)
+from flashserve.sampling_noise import hash32_, noise_fn
 from flashserve.sequence import Sequence
-
-# Temperatures below this sample greedily: dividing by them can overflow float32 (1e2 / 1e-37 is
-# inf), and at 1e-5 a logit gap of 1e-3 is already a factor e**100 between probabilities.
-_MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -59,107 +62,6 @@ class SamplerOutput:
     logprobs: torch.Tensor  # [N] float32: raw log-softmax at the chosen token
     top_ids: torch.Tensor | None  # [N, K] int64, best first
     top_logprobs: torch.Tensor | None  # [N, K] float32
-
-
-class _Packer:
-    """Gathers host arrays into one int64 buffer: one host -> device copy per step."""
-
-    def __init__(self) -> None:
-        self.arrays: dict[str, np.ndarray] = {}
-
-    def add(self, name: str, array: np.ndarray) -> None:
-        self.arrays[name] = np.ascontiguousarray(array, dtype=np.int64)
-
-    def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
-        if not self.arrays:
-            return {}
-        flat = torch.from_numpy(np.concatenate([a.ravel() for a in self.arrays.values()]))
-        if device.type == "cuda":
-            flat = flat.pin_memory()  # the caching host allocator keeps it alive for the copy
-        parts = flat.to(device, non_blocking=True).split([a.size for a in self.arrays.values()])
-        return {n: p.view(a.shape) for (n, a), p in zip(self.arrays.items(), parts)}
-
-
-def _float_bits(rows: list[list[float]]) -> np.ndarray:
-    """Columns of floats -> their float32 bit patterns as int64, [C, S]."""
-    return np.asarray(rows, dtype=np.float32).reshape(len(rows), -1).view(np.int32)
-
-
-def _as_float(bits: torch.Tensor) -> torch.Tensor:
-    """Inverse of _float_bits on the device: [C, S] int64 -> [C, S] float32."""
-    return bits.to(torch.int32).view(torch.float32)
-
-
-def _is_greedy(seq: Sequence) -> bool:
-    return seq.params.temperature < _MIN_TEMPERATURE
-
-
-def _pack_sampling(packer: _Packer, seqs: list[Sequence], rows: list[int]) -> None:
-    ps = [seqs[i].params for i in rows]
-    if any(p.seed is None for p in ps):
-        raise ValueError("every sampled sequence needs params.seed (the engine sets it)")
-    packer.add(
-        "floats",
-        _float_bits([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]]),
-    )
-    packer.add(
-        "ints",
-        np.array([[p.top_k for p in ps], [p.seed for p in ps], [seqs[i].num_tokens for i in rows]]),
-    )
-    if len(rows) < len(seqs):
-        packer.add("rows", np.array(rows))
-
-
-def _pack_penalties(packer: _Packer, seqs: list[Sequence], tokens: _TokenArrays) -> bool:
-    """Adds penalty inputs when some row uses one; returns whether it did."""
-    ps = [s.params for s in seqs]
-    rep = [r for r, p in enumerate(ps) if p.repetition_penalty != 1.0]
-    out = [r for r, p in enumerate(ps) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
-    if not rep and not out:
-        return False
-    cols = [
-        [p.repetition_penalty for p in ps],
-        [p.presence_penalty for p in ps],
-        [p.frequency_penalty for p in ps],
-    ]
-    packer.add("penalty_floats", _float_bits(cols))
-    v = tokens.vocab_size
-    if rep:
-        packer.add("seen", _flat([tokens(seqs[r]) for r in rep], rep, v))
-    if out:
-        outputs = [tokens(seqs[r])[seqs[r].num_prompt_tokens :] for r in out]
-        packer.add("output", _flat(outputs, out, v))
-    return True
-
-
-def _flat(token_arrays: list[np.ndarray], rows: list[int], vocab_size: int) -> np.ndarray:
-    """Token ids of the given rows as flat ``row * V + token`` indices, [sum of lengths]."""
-    return np.concatenate([t + r * vocab_size for t, r in zip(token_arrays, rows)])
-
-
-class _TokenArrays:
-    """Each sequence's token ids (prompt then output) as int64, extended as tokens are appended.
-
-    Converting a Python list costs ~20 ns a token: ~2 ms a step for one 100K-token prompt under a
-    repetition penalty, without this cache. Weakly keyed, so finished sequences drop out.
-    """
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def __call__(self, seq: Sequence) -> np.ndarray:
-        """[num_tokens] int64, a view into the cached buffer."""
-        buf, n = self._cache.get(seq, (None, 0))
-        total, p = seq.num_tokens, seq.num_prompt_tokens
-        if buf is None or not p <= n <= total:
-            buf, n = np.empty(2 * total, dtype=np.int64), p
-            buf[:p] = seq.prompt_token_ids
-        elif total > buf.size:
-            buf = np.concatenate([buf[:n], np.empty(2 * total - n, dtype=np.int64)])
-        buf[n:total] = seq.output_token_ids[n - p :]
-        self._cache[seq] = (buf, total)
-        return buf[:total]
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties | None) -> torch.Tensor:
@@ -222,23 +124,26 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Picks one token per row on the device; see the module docstring for the method."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str):
+    def __init__(self, vocab_size: int, device: torch.device | str, compile: bool = True):
+        """compile: fuse the noise with torch.compile on CUDA (a few seconds here, once)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         vocab = torch.arange(vocab_size, dtype=torch.int64, device=self.device)
         self._vocab_hash = hash32_(vocab)  # [V]
-        self._tokens = _TokenArrays(vocab_size)
+        self._noise = noise_fn(self.device, self._vocab_hash, compile)
+        self._tokens = TokenArrays(vocab_size)
+        self._staging = Staging(self.device)
 
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
         """Host -> device, in one copy: per-row parameters and, if used, penalty histories."""
-        sampled = [i for i, s in enumerate(seqs) if not _is_greedy(s)]
-        packer = _Packer()
+        sampled = [i for i, s in enumerate(seqs) if not is_greedy(s)]
+        packer = Packer()
         if sampled:
-            _pack_sampling(packer, seqs, sampled)
-        has_penalties = _pack_penalties(packer, seqs, self._tokens)
-        t = packer.upload(self.device)
+            pack_sampling(packer, seqs, sampled)
+        has_penalties = pack_penalties(packer, seqs, self._tokens)
+        t = packer.upload(self._staging)
         ps = [seqs[i].params for i in sampled]
-        floats = _as_float(t["floats"]) if sampled else [None] * 3
+        floats = as_float(t["floats"]) if sampled else [None] * 3
         ints = t["ints"] if sampled else [None] * 3
         return SamplingBatch(
             num_seqs=len(seqs),
@@ -282,11 +187,11 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         if b.use_min_p:
             probs = _min_p(probs, b.min_p)
-        return probs.div_(exponential_noise(b.seed, b.step, self._vocab_hash)).argmax(dim=-1)
+        return probs.div_(self._noise(b.seed, b.step, self._vocab_hash)).argmax(dim=-1)
 
 
 def _unpack_penalties(t: dict[str, torch.Tensor]) -> Penalties:
-    floats = _as_float(t["penalty_floats"])
+    floats = as_float(t["penalty_floats"])
     return Penalties(floats[0], floats[1], floats[2], t.get("seen"), t.get("output"))
 
 

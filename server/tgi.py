@@ -1,4 +1,4 @@
-"""The text-generation-inference (TGI) routes: /generate, /generate_stream, /health, /info."""
+"""The text-generation-inference (TGI) routes: /generate, /generate_stream, /, /health, /info."""
 
 from __future__ import annotations
 

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from flashserve.sampler import Sampler, apply_penalties
-from flashserve.sampling_noise import exponential_from_bits_, exponential_noise, hash32_
+from flashserve.sampling_noise import (
+    exponential_from_bits_,
+    exponential_noise,
+    hash32_,
+    row_keys,
+)
 from flashserve.sampling_params import SamplingParams
 from flashserve.sequence import Sequence
 
@@ -388,16 +393,21 @@ def test_cuda_matches_cpu_without_syncs():
     logits = torch.randn(n, v) * 0.5
     cpu = Sampler(v, "cpu")
     gpu = Sampler(v, "cuda")
-    noise_args = (torch.randint(0, 2**62, (n,)), torch.randint(0, 2**31, (n,)))
+    seed, step = torch.randint(0, 2**62, (n,)), torch.randint(0, 2**31, (n,))
+    bits = hash32_(cpu._vocab_hash[None] ^ row_keys(seed, step)[:, None])
+    bits_gpu = hash32_(gpu._vocab_hash[None] ^ row_keys(seed.cuda(), step.cuda())[:, None])
+    assert torch.equal(bits_gpu.cpu(), bits), "integer noise bits differ between CPU and CUDA"
     torch.testing.assert_close(
-        exponential_noise(*[a.cuda() for a in noise_args], gpu._vocab_hash).cpu(),
-        exponential_noise(*noise_args, cpu._vocab_hash), rtol=1e-6, atol=0,
+        gpu._noise(seed.cuda(), step.cuda(), gpu._vocab_hash).cpu(),
+        exponential_noise(seed, step, cpu._vocab_hash),
+        rtol=1e-6, atol=0,
     )  # fmt: skip
     batch, logits_gpu = gpu.prepare(seqs), logits.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = gpu(logits_gpu, batch)
+        with torch.inference_mode():  # as the runner calls it (and the noise was compiled)
+            out = gpu(logits_gpu, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = cpu(logits, cpu.prepare(seqs))
