@@ -403,6 +403,7 @@ def test_cuda_matches_cpu_without_syncs():
         rtol=1e-6, atol=0,
     )  # fmt: skip
     batch, logits_gpu = gpu.prepare(seqs), logits.cuda()
+    gpu.prepare(penalty_batch(3 * n, v))  # refills (and regrows) the pinned staging buffer
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
