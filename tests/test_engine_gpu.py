@@ -1,7 +1,15 @@
-"""The engine on CUDA in bf16: Triton and torch backends agree, with and without CUDA graphs."""
+"""The engine on CUDA: Triton and torch backends agree, with and without CUDA graphs.
+
+In float32 both backends compute attention to ~1e-6, so greedy tokens must be identical. In
+bfloat16 they round differently, and the default model has near-ties (on the chat question
+"What is the capital of France?" its top two first tokens are 0.08 apart in float32), so there
+the check is that every token the Triton engine picks is the torch engine's argmax to within
+bf16 rounding of the logits, with the same tokens fed to both (teacher forcing).
+"""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -10,20 +18,30 @@ import torch
 from flashserve.config import EngineConfig
 from flashserve.llm_engine import LLM
 from flashserve.sampling_params import SamplingParams
+from flashserve.sequence import Sequence
 
 pytestmark = pytest.mark.gpu
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
+BF16_LOGIT_SLACK = 0.5  # logits near 25 have a bf16 spacing of 0.125
 
 
-def _run(backend: str, enforce_eager: bool, prompts) -> list[list[int]]:
-    llm = LLM(EngineConfig(attention_backend=backend, enforce_eager=enforce_eager,
-                           max_num_seqs=8, max_model_len=4096))  # fmt: skip
-    out = [c.token_ids for c in llm.generate(prompts, GREEDY)]
-    del llm
-    torch.cuda.empty_cache()
+def _config(**kwargs) -> EngineConfig:
+    # an explicit pool: several engines are built one after another in this process
+    return EngineConfig(max_model_len=4096, max_kv_tokens=1 << 16, **kwargs)
+
+
+def _generate(prompts, params=GREEDY, **kwargs) -> list[list[int]]:
+    llm = LLM(_config(**kwargs))
+    out = [c.token_ids for c in llm.generate(prompts, params)]
+    _release(llm)
     return out
+
+
+def _release(llm: LLM) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -33,46 +51,63 @@ def prompts():
 
     tok = Tokenizer.from_gguf(default_model_path())
     chat = lambda text: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-    return [
-        chat("What is the capital of France?"),
-        chat("Name three colours."),
-        chat("Count from one to five in words."),
-    ]
+    questions = ["What is the capital of France?", "Name three colours.",
+                 "Count from one to five in words."]  # fmt: skip
+    return [chat(q) for q in questions]
 
 
 @pytest.fixture(scope="module")
-def torch_tokens(prompts):
-    return _run("torch", True, prompts)
+def torch_fp32_tokens(prompts):
+    return _generate(prompts, attention_backend="torch", enforce_eager=True, dtype="float32")
 
 
-def test_default_model_answers_on_cuda(torch_tokens):
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_fp32_triton_greedy_equals_torch(prompts, torch_fp32_tokens, enforce_eager):
+    got = _generate(prompts, attention_backend="triton", enforce_eager=enforce_eager,
+                    dtype="float32")  # fmt: skip
+    assert got == torch_fp32_tokens
+
+
+def _teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [len(ids), V]
+    runner, engine = llm.engine.runner, llm.engine
+    seq = Sequence(ids)
+    engine.block_manager.allocate(seq, len(ids))
+    seq.num_scheduled_tokens = len(ids)
+    inputs = runner.to_device(runner.prepare([seq]))
+    with torch.inference_mode():
+        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        logits = runner.model.compute_logits(hidden)
+    engine.block_manager.free(seq)
+    return logits
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_bf16_triton_tokens_are_torch_argmax_within_rounding(prompts, enforce_eager):
+    generated = _generate(prompts, attention_backend="triton", enforce_eager=enforce_eager)
+    llm = LLM(_config(attention_backend="torch", enforce_eager=True))
+    for prompt, tokens in zip(prompts, generated):
+        logits = _teacher_forced_logits(llm, prompt + tokens)[len(prompt) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+        gap = logits.max(dim=1).values - chosen  # >= 0; 0 where torch agrees exactly
+        assert gap.max().item() <= BF16_LOGIT_SLACK, (tokens, gap.tolist())
+    _release(llm)
+
+
+def test_default_model_answers_on_cuda(torch_fp32_tokens):
     from flashserve.loader import default_model_path
     from flashserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path())
-    assert "Paris" in tok.decode(torch_tokens[0])
+    assert "Paris" in tok.decode(torch_fp32_tokens[0])
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
-def test_triton_backend_matches_torch_backend(prompts, torch_tokens, enforce_eager):
-    got = _run("triton", enforce_eager, prompts)
-    assert got == torch_tokens
-
-
-def test_cuda_graphs_batch_sizes_and_long_context():
-    """Decode batches of every size up to a bucket boundary, with prompts long enough to use
-    many KV blocks: graphs and eager give the same greedy tokens."""
+def test_cuda_graphs_equal_eager_across_batch_sizes():
+    """Decode batches of many sizes (the batch shrinks as prompts finish at different lengths),
+    prompts long enough to span many KV blocks: graphs and eager give the same tokens (fp32)."""
     prompts = [[random.randrange(3, 49000) for _ in range(random.randint(1, 1500))]
                for _ in range(11)]  # fmt: skip
-    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    results = []
-    for eager in (True, False):
-        llm = LLM(EngineConfig(enforce_eager=eager, max_num_seqs=16, max_model_len=4096))
-        results.append([c.token_ids for c in llm.generate(prompts, params)])
-        del llm
-        torch.cuda.empty_cache()
-    mismatched = [i for i, (a, b) in enumerate(zip(*results)) if a != b]
-    # random-token prompts give flat distributions; allow a late flip from a different
-    # reduction order, never a wrong first token
-    assert all(results[0][i][0] == results[1][i][0] for i in range(len(prompts)))
-    assert len(mismatched) <= 2, mismatched
+    params = [SamplingParams(max_new_tokens=random.randint(4, 20), temperature=0, ignore_eos=True)
+              for _ in prompts]  # fmt: skip
+    eager = _generate(prompts, params, enforce_eager=True, dtype="float32", max_num_seqs=16)
+    graphs = _generate(prompts, params, enforce_eager=False, dtype="float32", max_num_seqs=16)
+    assert graphs == eager
