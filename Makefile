@@ -15,13 +15,17 @@ ARGS ?=
 BIN := $(VENV)/bin
 INSTALL := PIP="$(BIN)/python -m pip" sh docker/install.sh --editable
 
-.PHONY: serve test
+.PHONY: serve test test-gpu
 
 serve: $(VENV)/.installed
 	$(BIN)/flashserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(ARGS)
+
+# the CUDA-only tests (skipped by `make test` on a machine without a GPU)
+test-gpu: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -m gpu $(ARGS)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

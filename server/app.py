@@ -15,12 +15,15 @@ from server import tgi
 from server.errors import register_error_handlers
 
 
-def build_app(config: EngineConfig | None = None, llm: AsyncLLM | None = None) -> FastAPI:
+def build_app(
+    config: EngineConfig | None = None, llm: AsyncLLM | None = None, raw_prompts: bool = False
+) -> FastAPI:
     """An app serving ``llm``, or an engine built from ``config`` (the default model if None).
 
     The engine lives as long as the app's lifespan: it is loaded (when not given), started on
     startup and shut down on exit; the routes find it on ``app.state.llm``. A given ``llm`` must
-    not be started yet: the app owns it from here on.
+    not be started yet: the app owns it from here on. ``raw_prompts`` turns off wrapping plain
+    ``inputs`` in the model's chat template (text-generation-inference's exact behaviour).
     """
     if config is not None and llm is not None:
         raise ValueError("pass an engine config or an engine, not both")
@@ -36,6 +39,7 @@ def build_app(config: EngineConfig | None = None, llm: AsyncLLM | None = None) -
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="flashserve", version=flashserve.__version__, lifespan=lifespan)
+    app.state.raw_prompts = raw_prompts
     register_error_handlers(app)
     app.include_router(tgi.router)
     return app

@@ -23,6 +23,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    parser.add_argument(
+        "--raw-prompts",
+        action="store_true",
+        help="pass /generate inputs to the model as they are; by default plain text sent to a "
+        "chat model is wrapped in its chat template as one user message",
+    )
     cli.add_engine_args(parser)
 
 
@@ -38,7 +44,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         "loading %s on %s (%s)", config.model or "the default model", config.device, config.dtype
     )
     llm = cli.load_engine(AsyncLLM, config)  # before uvicorn: a bad --model is a plain error
-    app = build_app(llm=llm)
+    app = build_app(llm=llm, raw_prompts=args.raw_prompts)
     # open streams would hold a shutdown forever: give them 5 s, then close them
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5

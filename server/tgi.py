@@ -56,7 +56,7 @@ async def info(request: Request) -> Info:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     llm = _engine(request)
-    prompt, params = _prepare(llm, body)
+    prompt, params = _prepare(request, llm, body)
     first, outputs = await _start(request, llm, prompt, params)
     try:
         tokens, last = await _unless_disconnected(request, _collect(first, outputs))
@@ -79,7 +79,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
     llm = _engine(request)
-    prompt, params = _prepare(llm, body)
+    prompt, params = _prepare(request, llm, body)
     first, outputs = await _start(request, llm, prompt, params)
     events = _events(body, first, outputs)
     return StreamingResponse(events, media_type="text/event-stream")
@@ -107,20 +107,36 @@ def _engine(request: Request) -> AsyncLLM:
     return llm
 
 
-def _prepare(llm: AsyncLLM, body: GenerateRequest) -> tuple[str | list[int], SamplingParams]:
+def _prepare(
+    request: Request, llm: AsyncLLM, body: GenerateRequest
+) -> tuple[str | list[int], SamplingParams]:
     with validating():
         params = to_sampling_params(body.parameters)
         if not body.inputs:
             raise ValueError("`inputs` cannot be empty")
+        prompt = _as_prompt(llm, body.inputs, request.app.state.raw_prompts)
         truncate = body.parameters.truncate
         if truncate is None:
-            return body.inputs, params
+            return prompt, params
         if truncate >= llm.max_model_len:
             raise ValueError(
                 f"`truncate` must be strictly positive and less than {llm.max_model_len}. "
                 f"Given: {truncate}"
             )
-        return llm.tokenizer.encode(body.inputs)[-truncate:], params
+        return llm.tokenizer.encode(prompt)[-truncate:], params
+
+
+def _as_prompt(llm: AsyncLLM, inputs: str, raw: bool) -> str:
+    """Plain text sent to a chat model becomes one user turn of its chat template (as Ollama's
+    /api/generate does), so that a question gets an answer; text that already holds the
+    template's special tokens, a model without a template, or ``--raw-prompts`` pass as is."""
+    tok = llm.tokenizer
+    if raw or tok.chat_template is None:
+        return inputs
+    specials = tok.convert_ids_to_tokens(sorted(tok.all_special_ids))
+    if any(t and t in inputs for t in specials):
+        return inputs
+    return tok.apply_chat_template([{"role": "user", "content": inputs}])
 
 
 async def _start(

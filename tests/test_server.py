@@ -70,6 +70,29 @@ def test_generate_greedy_answers_paris(client):
     assert "Paris" in out["generated_text"], out
 
 
+def test_plain_question_is_answered_through_the_chat_template(client):
+    """The issue's acceptance check: a bare question to the default (chat) model."""
+    out = _generate(client, "What is the capital of France?", max_new_tokens=24)
+    assert "Paris" in out["generated_text"], out
+
+
+def test_as_prompt_wraps_only_plain_text_for_chat_models():
+    from types import SimpleNamespace
+
+    from flashserve.loader import default_model_path
+    from flashserve.tokenizer import Tokenizer
+    from server.tgi import _as_prompt
+
+    llm = SimpleNamespace(tokenizer=Tokenizer.from_gguf(default_model_path()))
+    wrapped = _as_prompt(llm, "Hi there", raw=False)
+    assert wrapped.startswith("<|im_start|>") and "<|im_start|>user\nHi there<|im_end|>" in wrapped
+    assert wrapped.endswith("<|im_start|>assistant\n")
+    assert _as_prompt(llm, "Hi there", raw=True) == "Hi there"
+    assert _as_prompt(llm, CHATML_PARIS, raw=False) == CHATML_PARIS
+    no_template = SimpleNamespace(tokenizer=Tokenizer.byte_level(512, 1, 2))
+    assert _as_prompt(no_template, "Hi there", raw=False) == "Hi there"
+
+
 def test_generate_details(client):
     out = _generate(client, CHATML_PARIS, max_new_tokens=20, details=True)
     details = out["details"]
