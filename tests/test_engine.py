@@ -73,8 +73,12 @@ def test_seeded_sampling_is_batch_invariant(llm):
     mixed = llm.generate(prompts, [params] + [others] * 4)[0]
     assert alone.token_ids == mixed.token_ids
     assert alone.seed == seed
-    other_seed = llm.generate([prompts[0]], SamplingParams(
-        max_new_tokens=10, temperature=0.9, top_p=0.95, seed=seed + 1, ignore_eos=True))[0]
+    other_seed = llm.generate(
+        [prompts[0]],
+        SamplingParams(
+            max_new_tokens=10, temperature=0.9, top_p=0.95, seed=seed + 1, ignore_eos=True
+        ),
+    )[0]
     assert other_seed.token_ids != alone.token_ids or len(set(alone.token_ids)) == 1
 
 
