@@ -88,6 +88,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # arrival order: the newest is last
         self._live: dict[int, Sequence] = {}  # seq_id -> every unfinished sequence
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     # ---- views ---------------------------------------------------------------------------
 
@@ -210,6 +211,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self._waiting.appendleft(victim)
         step.preempted.append(victim)
         return victim
