@@ -11,7 +11,7 @@ from fastapi import FastAPI
 import flashserve
 from flashserve.async_llm import AsyncLLM
 from flashserve.config import EngineConfig
-from server import tgi
+from server import openai, tgi
 from server.errors import register_error_handlers
 
 
@@ -42,4 +42,5 @@ def build_app(
     app.state.raw_prompts = raw_prompts
     register_error_handlers(app)
     app.include_router(tgi.router)
+    app.include_router(openai.router)
     return app

@@ -8,6 +8,10 @@
 - anything unexpected: 500 ``internal``; the traceback goes to the log, never to the client.
 
 Once a stream has started, errors travel as an event with the same body (``server/tgi.py``).
+
+On the OpenAI routes (``/v1/...``) the same errors take OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, and a request that cannot be served as sent
+is a 400 ``invalid_request_error`` (OpenAI's status) instead of a 422.
 """
 
 from __future__ import annotations
@@ -26,17 +30,56 @@ logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    """An error with its HTTP status and TGI error type, raised by the routes."""
+    """An error with its HTTP status and TGI error type, raised by the routes; ``param`` and
+    ``code`` only show in OpenAI-shaped bodies."""
 
-    def __init__(self, status_code: int, message: str, error_type: str):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        error_type: str,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.error_type = error_type
+        self.param = param
+        self.code = code
 
 
 def error_body(message: str, error_type: str) -> dict[str, str]:
     return {"error": message, "error_type": error_type}
+
+
+# TGI error types -> OpenAI's
+_OPENAI_TYPES = {"generation": "server_error", "internal": "server_error",
+                 "unavailable": "server_error"}  # fmt: skip
+
+
+def openai_error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    """OpenAI's error body; ``error_type`` is a TGI type, mapped onto OpenAI's."""
+    kind = _OPENAI_TYPES.get(error_type, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def _respond(
+    path: str, status: int, message: str, error_type: str, param: str | None = None,
+    code: str | None = None, headers: dict[str, str] | None = None,
+) -> JSONResponse:  # fmt: skip
+    """The error response in the shape of the route's API."""
+    if not is_openai_path(path):
+        return JSONResponse(error_body(message, error_type), status_code=status, headers=headers)
+    status = 400 if status == 422 else status
+    body = openai_error_body(message, error_type, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @contextmanager
@@ -68,17 +111,35 @@ def register_error_handlers(app: FastAPI) -> None:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.error_type), status_code=exc.status_code)
+    path = request.url.path
+    return _respond(path, exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
 
 
 async def _request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(error_body(describe_validation_error(exc), "validation"), status_code=422)
+    message = describe_validation_error(exc)
+    return _respond(request.url.path, 422, message, "validation", _first_param(exc))
+
+
+def _first_param(exc: RequestValidationError) -> str | None:
+    """The field of the first problem (``messages.0.role``); None for the body as a whole."""
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return None
+        loc = []
+        for part in err.get("loc", ())[1:]:  # after "body"
+            if (isinstance(part, str) and not part.isidentifier()) or part in _TYPE_TAGS:
+                break  # a union member's tag (``str``, ``list[str]``): not a field
+            loc.append(str(part))
+        return ".".join(loc) or None
+    return None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(
-        error_body(str(exc.detail), "http"), status_code=exc.status_code, headers=exc.headers
-    )
+    path, status = request.url.path, exc.status_code
+    return _respond(path, status, str(exc.detail), "http", headers=exc.headers)
 
 
 class _CatchUnexpected:
@@ -104,5 +165,5 @@ class _CatchUnexpected:
             if started:  # too late for a status code: let the server close the connection
                 raise
             logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
-            body = error_body("internal server error", "internal")
-            await JSONResponse(body, status_code=500)(scope, receive, send)
+            response = _respond(scope["path"], 500, "internal server error", "internal")
+            await response(scope, receive, send)

@@ -1,0 +1,324 @@
+"""Request and response bodies of the OpenAI API (``/v1/completions``, ``/v1/chat/completions``).
+
+Pydantic checks the JSON types strictly (no "1" for a number); ``sampling_params`` checks the
+ranges with OpenAI's parameter names and maps the request onto ``SamplingParams``. A range
+error is a ``ParamError``, which names the parameter for the error body's ``param``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from flashserve.sampling_params import MAX_LOGPROBS, MAX_TOKENS_LIMIT, SamplingParams
+
+MAX_N = 16  # choices per prompt
+MAX_STOP = 16  # stop strings per request
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+SEED_MOD = 2**63  # seeds are 63-bit; choice i samples with (seed + i) % SEED_MOD
+
+
+class ParamError(ValueError):
+    """A request value the server cannot serve; ``param`` names it."""
+
+    def __init__(self, param: str | None, message: str, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """What both routes share. Unknown fields are ignored, as OpenAI does; ``top_k``,
+    ``min_p`` and ``repetition_penalty`` are extras (as vLLM's)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise ParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.logit_bias:
+            raise ParamError("logit_bias", "logit_bias is not supported by this server")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ParamError(name, f"{name} must be a finite number, got {value}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2 <= value <= 2:
+                raise ParamError(name, f"{name} must be between -2 and 2, got {value}")
+        stops = self.stop_list
+        if len(stops) > MAX_STOP:
+            raise ParamError("stop", f"stop takes at most {MAX_STOP} strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ParamError("stop", "stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < SEED_MOD:
+            raise ParamError("seed", f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """The engine's parameters for choice ``choice`` (its seed is ``seed + choice``)."""
+        seed = None if self.seed is None else (self.seed + choice) % SEED_MOD
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or -1,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            seed=seed,
+            stop=self.stop_list,
+            logprobs=logprobs,
+        )
+
+
+def check_max_tokens(name: str, value: int | None) -> None:
+    if value is not None and not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise ParamError(name, f"{name} must be between 1 and {MAX_TOKENS_LIMIT}, got {value}")
+
+
+def check_logprobs(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ParamError(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any  # checked by _prompt_shape: pydantic's union errors are unreadable
+    max_tokens: int | None = DEFAULT_COMPLETION_TOKENS
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Prompt:
+        if isinstance(value, str) or _is_ids(value):
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(p, str) for p in value) or all(_is_ids(p) for p in value)
+        ):
+            return value
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "lists of token ids"
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request; raises ParamError when any is empty."""
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise ParamError("prompt", "prompt must not be empty")
+        return prompts
+
+    def check(self) -> None:
+        self.check_common()
+        check_max_tokens("max_tokens", self.max_tokens)
+        check_logprobs("logprobs", self.logprobs)
+        if self.best_of not in (None, 1):
+            raise ParamError("best_of", "best_of > 1 is not supported by this server")
+        if self.suffix:
+            raise ParamError("suffix", "suffix is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs is not supported: no prompt logprobs")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------------
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates expect it: text content; ``developer`` (OpenAI's
+        newer name for ``system``) becomes ``system``."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "\n".join(part.text for part in content)
+        msg = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        msg.update({k: v for k in ("name", "tool_call_id") if (v := getattr(self, k))})
+        return msg
+
+
+class ChatRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def check(self) -> None:
+        if not self.messages:
+            raise ParamError("messages", "messages must not be empty")
+        self.check_common()
+        check_max_tokens("max_tokens", self.max_tokens)
+        check_max_tokens("max_completion_tokens", self.max_completion_tokens)
+        check_logprobs("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs set to true")
+        if self.tools:
+            raise ParamError("tools", "tools are not supported by this server")
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role", "content"} first, then {"content"}, and {} at the end
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "flashserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
