@@ -162,7 +162,9 @@ def build_parser(extra_commands: Sequence[Command] = ()) -> argparse.ArgumentPar
     parser = argparse.ArgumentParser(prog="flashserve", description=flashserve.__doc__)
     parser.add_argument("--version", action="version", version=flashserve.__version__)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for cmd in (*extra_commands, GENERATE):
+    from flashserve.bench import BENCH  # here: flashserve.bench imports this module
+
+    for cmd in (*extra_commands, GENERATE, BENCH):
         sub = subparsers.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_args(sub)
         sub.set_defaults(run=cmd.run)

@@ -1,0 +1,58 @@
+"""What the device can do and what a run used: copy bandwidth, timing, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+
+CUDA_COPY_BYTES = 2 << 30  # 2 GiB source: far past the L2, like kernels/bench.py
+CPU_COPY_BYTES = 256 << 20  # 256 MiB: far past the CPU caches
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 10) -> float:
+    """Bytes/s of a large tensor copy on ``device``, counting bytes read + written (the
+    median of ``reps`` copies after a warm-up)."""
+    if nbytes is None:
+        nbytes = CUDA_COPY_BYTES if device.type == "cuda" else CPU_COPY_BYTES
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they are): the CUDA allocator's peak since the last reset, or on the CPU
+    the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_peak_rss"
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free device bytes (CUDA), None on the CPU (no limit checked there)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]

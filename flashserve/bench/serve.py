@@ -1,0 +1,209 @@
+"""``flashserve bench serve``: an HTTP load generator for TGI or OpenAI completion servers.
+
+Requests stream (SSE) so that every token is timed as the client sees it: time to first
+token, inter-token latency, time per output token, end-to-end latency, throughput and
+failures by HTTP status. Load is a fixed number of requests in flight (``--concurrency``)
+or Poisson arrivals (``--request-rate``). ``--depth N`` measures decode at depth: prompts of
+N tokens, then ``--output-len`` generated tokens. Requests go only to ``--url``, and the run
+is bounded by ``--num-requests`` and ``--max-duration``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import random
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import flashserve
+from flashserve import cli
+from flashserve.bench.prompts import TokenizerLike, load_tokenizer, make_prompt, sample_lengths
+from flashserve.bench.report import Counter, require_matplotlib, write_json
+
+if TYPE_CHECKING:
+    from flashserve.bench.client import RequestRecord
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument(
+        "--api",
+        choices=["tgi", "openai"],
+        default="tgi",
+        help="tgi: /generate_stream; openai: /v1/completions",
+    )
+    parser.add_argument("--model", help="the model field of OpenAI requests")
+    parser.add_argument(
+        "--tokenizer",
+        help="model spec whose tokenizer sizes the prompts "
+        "(default: the model /info names, when it can be loaded here)",
+    )
+    parser.add_argument("--num-requests", type=int, help="default 100 (1 with --depth)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        help="requests in flight (default 8, 1 with --depth; with "
+        "--request-rate an upper bound, none by default)",
+    )
+    parser.add_argument("--request-rate", type=float, help="Poisson arrivals, requests/s")
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens (mean)")
+    parser.add_argument(
+        "--input-len-range",
+        type=float,
+        default=0.0,
+        help="prompt lengths uniform in len*(1-r) .. len*(1+r)",
+    )
+    parser.add_argument("--output-len", type=int, default=128, help="tokens to generate")
+    parser.add_argument("--output-len-range", type=float, default=0.0)
+    parser.add_argument("--depth", type=int, help="decode at depth: prompts of this many tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--max-duration",
+        type=float,
+        default=3600.0,
+        help="stop (cancelling requests in flight) after this many seconds",
+    )
+    parser.add_argument("--json", metavar="FILE", help="write every result to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot latency CDFs")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    _defaults(args)
+    if args.plot:
+        require_matplotlib()
+    if args.api == "openai" and args.model is None:
+        args.model = _get_json(args.url, "/v1/models", lambda d: d["data"][0]["id"])
+    tokenizer, tok_source = _tokenizer(args)
+    specs = _request_specs(args, tokenizer)
+    records, duration, cancelled = asyncio.run(_load(args, specs))
+    from flashserve.bench.serve_stats import format_report, summarize
+
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k != "run"},
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "flashserve": flashserve.__version__,
+            "server_info": _get_json(args.url, "/info", lambda d: d),  # TGI's /info
+        },
+        "tokenizer": tok_source,
+        **summarize(records, duration, cancelled),
+    }
+    print(format_report(result))
+    if args.json:
+        write_json(args.json, result)
+    if args.plot:
+        from flashserve.bench.plots import plot_serve
+
+        plot_serve(result, args.plot)
+    return 0
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    depth = args.depth is not None
+    if depth:
+        args.input_len, args.input_len_range = args.depth, 0.0
+    if args.num_requests is None:
+        args.num_requests = 1 if depth else 100
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = 1 if depth else 8
+    checks = [
+        (args.num_requests >= 1, "--num-requests must be >= 1"),
+        (args.concurrency is None or args.concurrency >= 1, "--concurrency must be >= 1"),
+        (args.request_rate is None or args.request_rate > 0, "--request-rate must be > 0"),
+        (args.input_len >= 1 and args.output_len >= 1, "lengths must be >= 1"),
+        (0 <= args.input_len_range < 1 and 0 <= args.output_len_range < 1,
+         "length ranges must be in [0, 1)"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise cli.CLIError(message, status=2)
+
+
+def _tokenizer(args: argparse.Namespace) -> tuple[TokenizerLike | None, str]:
+    """The tokenizer that sizes prompts, and where it came from (for the record)."""
+    spec = args.tokenizer or _get_json(args.url, "/info", lambda d: d["model_id"]) or args.model
+    if spec is None:
+        return None, "none: about 1.3 tokens per word"
+    try:
+        return load_tokenizer(spec), spec
+    except (OSError, ValueError) as exc:
+        if args.tokenizer is not None:
+            raise cli.CLIError(f"cannot load the tokenizer {spec!r}: {exc}") from exc
+        print(f"no tokenizer for {spec!r}; prompt lengths are estimated", file=sys.stderr)
+        return None, "none: about 1.3 tokens per word"
+
+
+def _get_json(url: str, route: str, pick) -> str | None:
+    """``pick(JSON of GET url+route)``, or None when the server does not answer that."""
+    import httpx
+
+    try:
+        resp = httpx.get(url.rstrip("/") + route, timeout=10)
+        return pick(resp.json()) if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, LookupError, TypeError):
+        return None
+
+
+def _request_specs(args, tokenizer) -> list[tuple[str, RequestRecord]]:
+    from flashserve.bench.client import RequestRecord
+
+    rng = random.Random(args.seed)
+    n = args.num_requests
+    ins = sample_lengths(args.input_len, args.input_len_range, n, rng)
+    outs = sample_lengths(args.output_len, args.output_len_range, n, rng)
+    return [(make_prompt(i, rng, tokenizer), RequestRecord(i, o)) for i, o in zip(ins, outs)]
+
+
+async def _load(args, specs) -> tuple[list[RequestRecord], float, int]:
+    """Send every request (paced by the arrival process); (finished records, seconds taken,
+    requests cancelled or never sent when --max-duration ran out)."""
+    import httpx
+
+    from flashserve.bench.client import send
+
+    limit = args.concurrency or len(specs)
+    sem = asyncio.Semaphore(limit)
+    counter = Counter(len(specs), "requests", not args.no_progress)
+    timeout = httpx.Timeout(args.timeout, connect=min(30.0, args.timeout))
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def one(prompt: str, rec: RequestRecord) -> RequestRecord:
+            async with sem:
+                await send(client, args.url, args.api, prompt, rec, args.model)
+            counter.update()
+            return rec
+
+        start = time.perf_counter()
+        tasks = await _launch(args, specs, one, start + args.max_duration)
+        left = max(0.0, start + args.max_duration - time.perf_counter())
+        done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - start
+    counter.close()
+    records = [t.result() for t in tasks if t in done]
+    return records, duration, len(specs) - len(records)
+
+
+async def _launch(args, specs, one, deadline: float) -> list[asyncio.Task]:
+    """Start the requests now (fixed concurrency) or at Poisson arrival times."""
+    rng = random.Random(args.seed + 1)
+    tasks: list[asyncio.Task[Any]] = []
+    for prompt, rec in specs:
+        if args.request_rate is not None and tasks:
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+        if time.perf_counter() >= deadline:
+            break
+        tasks.append(asyncio.create_task(one(prompt, rec)))
+    return tasks
+
+
+SERVE = cli.Command("serve", "load an HTTP server (TGI or OpenAI API), streaming", add_args, run)

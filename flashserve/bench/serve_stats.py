@@ -1,0 +1,90 @@
+"""Summaries of ``bench serve`` runs: latency percentiles, throughput, failures."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+from flashserve.bench.client import RequestRecord
+from flashserve.bench.report import percentiles, table
+
+
+def per_request(rec: RequestRecord) -> dict[str, Any]:
+    """One request's record with its latencies in ms (None where it has no tokens)."""
+    t = rec.token_times
+    ttft = (t[0] - rec.start) * 1e3 if t else None
+    # a server may send several tokens in one event (held-back UTF-8 bytes): count tokens
+    n = max(rec.output_tokens, len(t))
+    decode_s = t[-1] - t[0] if len(t) > 1 else None
+    return {
+        "status": rec.status,
+        "error": rec.error,
+        "input_len": rec.input_len,
+        "output_len": rec.output_len,
+        "prompt_tokens": rec.prompt_tokens,
+        "output_tokens": rec.output_tokens,
+        "token_events": len(t),
+        "finish_reason": rec.finish_reason,
+        "ttft_ms": ttft,
+        "tpot_ms": decode_s / (n - 1) * 1e3 if decode_s else None,
+        "e2e_ms": (rec.end - rec.start) * 1e3,
+        "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
+        "itl_ms": [(b - a) * 1e3 for a, b in zip(t, t[1:])],
+    }
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    mean = statistics.fmean(values) if values else float("nan")
+    return {**percentiles(values), "mean": mean}
+
+
+def summarize(records: list[RequestRecord], duration_s: float, cancelled: int) -> dict[str, Any]:
+    """Totals, throughput and latency distributions over the finished requests."""
+    reqs = [per_request(r) for r in records]
+    good = [r for r in reqs if r["status"] == "ok"]
+    pick = lambda key: [r[key] for r in good if r[key] is not None]
+    out_tokens = sum(r["output_tokens"] for r in good)
+    in_tokens = sum(r["prompt_tokens"] or r["input_len"] for r in good)
+    summary = {
+        "requests": len(records) + cancelled,
+        "completed": len(good),
+        "failed": len(reqs) - len(good),
+        "cancelled": cancelled,  # still running when --max-duration ran out
+        "failures": dict(Counter(r["status"] for r in reqs if r["status"] != "ok")),
+        "early_stops": sum(r["finish_reason"] not in (None, "length") for r in good),
+        "duration_s": duration_s,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": len(good) / duration_s,
+        "output_token_throughput": out_tokens / duration_s,
+        "total_token_throughput": (in_tokens + out_tokens) / duration_s,
+    }
+    itl = [x for r in good for x in r["itl_ms"]]
+    latency = {"ttft": pick("ttft_ms"), "itl": itl, "tpot": pick("tpot_ms"), "e2e": pick("e2e_ms")}
+    return {
+        "summary": summary,
+        "latency_ms": {k: _dist(v) for k, v in latency.items()},
+        "decode_tokens_per_s": _dist(pick("decode_tokens_per_s")),
+        "samples_ms": {"ttft": latency["ttft"], "itl": itl, "e2e": latency["e2e"]},
+        "requests": reqs,
+    }
+
+
+def format_report(result: dict[str, Any]) -> str:
+    s, lat = result["summary"], result["latency_ms"]
+    names = {"ttft": "time to first token (ms)", "itl": "inter-token latency (ms)",
+             "tpot": "time per output token (ms)", "e2e": "end-to-end latency (ms)"}  # fmt: skip
+    rows = [[names[k], d["p50"], d["p90"], d["p99"], d["mean"]] for k, d in lat.items()]
+    d = result["decode_tokens_per_s"]
+    rows.append(["decode tokens/s per request", d["p50"], d["p90"], d["p99"], d["mean"]])
+    failures = ", ".join(f"{k}: {v}" for k, v in s["failures"].items()) or "none"
+    lines = [
+        table(["", "p50", "p90", "p99", "mean"], rows),
+        f"requests: {s['completed']} completed, {s['failed']} failed ({failures}), "
+        f"{s['cancelled']} cancelled, {s['early_stops']} stopped before their output length",
+        f"duration {s['duration_s']:.2f} s: {s['request_throughput']:.2f} requests/s, "
+        f"{s['output_token_throughput']:.1f} output tokens/s, "
+        f"{s['total_token_throughput']:.1f} total tokens/s",
+    ]
+    return "\n".join(lines)

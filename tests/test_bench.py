@@ -1,0 +1,221 @@
+"""The measuring tools on a CPU: ``bench decode`` on dummy:tiny beside transformers, and
+``bench serve`` against a real server process. These check that the tools measure and
+report correctly, not how fast anything is."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+
+import httpx
+import pytest
+from server_utils import server_process
+
+from flashserve.bench.decode import parse_sizes
+from flashserve.bench.prompts import load_tokenizer, make_prompt, sample_lengths
+from flashserve.bench.report import percentiles
+from flashserve.cli import main
+
+
+def _filled(obj, path: str = "") -> list[str]:
+    """Paths of every None (or NaN) leaf in a JSON object."""
+    if obj is None or (isinstance(obj, float) and math.isnan(obj)):
+        return [path]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _filled(v, f"{path}.{k}")]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _filled(v, f"{path}[{i}]")]
+    return []
+
+
+def _ordered(dist: dict) -> bool:
+    return dist["p50"] <= dist["p90"] <= dist["p99"]
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def test_percentiles_interpolate_and_order():
+    xs = random.sample(range(1000), 101)
+    p = percentiles(xs)
+    assert p["p50"] == sorted(xs)[50]
+    assert _ordered(p) and p["p99"] <= max(xs)
+    assert percentiles([3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+
+
+def test_parse_sizes():
+    assert parse_sizes("4096, 32k,128K") == [4096, 32768, 131072]
+    with pytest.raises(Exception, match="sizes"):
+        parse_sizes("4096,x")
+
+
+def test_prompts_have_the_asked_token_counts():
+    tok = load_tokenizer("dummy:tiny")
+    rng = random.Random(0)
+    lens = sample_lengths(100, 0.5, 50, rng)
+    assert min(lens) >= 50 and max(lens) <= 150 and len(set(lens)) > 10
+    for n in (1, 7, 100, 1000):
+        assert len(tok.encode(make_prompt(n, rng, tok))) == n
+
+
+# ---- bench decode --------------------------------------------------------------------------
+
+
+def _plot_args(path) -> list[str]:
+    """``--plot path`` where matplotlib is installed (it is optional)."""
+    return ["--plot", str(path)] if importlib.util.find_spec("matplotlib") else []
+
+
+def _assert_png(args: list[str]) -> None:
+    if args:
+        with open(args[1], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_decode_json_with_peer(tmp_path, capsys):
+    out, plot = tmp_path / "decode.json", _plot_args(tmp_path / "decode.png")
+    argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu", "--context", "32,80",
+            "--batch", "1,3", "--steps", "4", "--json", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv + plot) == 0
+    _assert_png(plot)
+    res = json.loads(out.read_text())
+    assert _filled({k: v for k, v in res["meta"].items() if k != "peer_note"}) == []
+    meta = res["meta"]
+    assert meta["peer"].startswith("transformers") and meta["copy_bandwidth_gbs"] > 0
+    points = res["points"]
+    assert [(p["context"], p["batch"]) for p in points] == [(32, 1), (32, 3), (80, 1), (80, 3)]
+    for p in points:
+        where = f"context {p['context']}, batch {p['batch']}"
+        assert p["status"] == "ok", where
+        assert _filled({k: v for k, v in p.items() if not k.endswith("note")}) == [], where
+        ours, peer = p["ours"], p["peer"]
+        # each sequence holds its prompt plus at least one generated token when a step reads
+        assert ours["kv_tokens_per_step"] >= p["batch"] * (p["context"] + 1), where
+        want = meta["weight_bytes_read"] + ours["kv_tokens_per_step"] * meta["kv_bytes_per_token"]
+        assert p["bytes_per_step"] == pytest.approx(want)
+        for m in (ours, peer):
+            assert 0 < m["roofline_percent"] <= 150, where
+            assert m["tokens_per_s"] == pytest.approx(p["batch"] * m["tokens_per_s_per_seq"])
+            assert m["ms_per_step"] == pytest.approx(1e3 / m["tokens_per_s_per_seq"])
+            assert m["peak_memory_bytes"] > 0
+        assert p["ours_over_peer"] == pytest.approx(peer["step_s"] / ours["step_s"])
+    table = capsys.readouterr().out
+    assert "tok/s/seq" in table and "ours/peer" in table
+
+
+def test_bench_decode_skips_points_that_do_not_fit(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu", "--context", "16,600",
+            "--batch", "1", "--steps", "2", "--max-kv-tokens", "256", "--no-peer",
+            "--json", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    small, big = res["points"]
+    assert small["status"] == "ok" and small["ours"]["tokens_per_s"] > 0
+    assert small["peer"] is None and res["meta"]["peer_note"] == "--no-peer"
+    assert big["status"] == "skipped" and big["ours"] is None
+    assert "KV" in big["note"] or "max model len" in big["note"]
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu",
+            "--plot", str(tmp_path / "x.png")]  # fmt: skip
+    assert main(argv) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+# ---- bench serve ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def url():
+    with server_process("--model", "dummy:tiny", "--max-model-len", "1024") as base:
+        yield base
+
+
+def _serve(url: str, tmp_path, *args: str) -> dict:
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--url", url, "--json", str(out), "--no-progress", "--seed", "3"]
+    assert main([*argv, *args]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_latencies(res: dict) -> None:
+    for name, dist in res["latency_ms"].items():
+        assert _filled(dist) == [], name
+        assert _ordered(dist) and dist["p50"] > 0, name
+    assert _ordered(res["decode_tokens_per_s"])
+    s = res["summary"]
+    assert s["request_throughput"] > 0 and s["output_token_throughput"] > 0
+    assert s["total_token_throughput"] > s["output_token_throughput"]
+
+
+def test_bench_serve_tgi_fixed_concurrency(url, tmp_path, capsys):
+    res = _serve(url, tmp_path, "--num-requests", "8", "--concurrency", "4",
+                 "--input-len", "60", "--input-len-range", "0.5", "--output-len", "12")  # fmt: skip
+    s = res["summary"]
+    assert (s["requests"], s["completed"], s["failed"], s["failures"]) == (8, 8, 0, {})
+    assert res["tokenizer"] == "dummy:tiny"  # found through /info: exact prompt lengths
+    for r in res["requests"]:
+        assert r["prompt_tokens"] == r["input_len"] and 30 <= r["input_len"] <= 90
+        assert r["token_events"] == r["output_tokens"]  # TGI: one event per token
+        if r["finish_reason"] == "length":  # TGI has no ignore_eos: EOS may end one early
+            assert r["output_tokens"] == 12
+        assert len(r["itl_ms"]) == r["token_events"] - 1
+        assert r["ttft_ms"] <= r["e2e_ms"]
+    assert s["output_tokens"] == sum(r["output_tokens"] for r in res["requests"])
+    _check_latencies(res)
+    assert "time to first token" in capsys.readouterr().out
+
+
+def test_bench_serve_poisson_arrivals(url, tmp_path):
+    plot = _plot_args(tmp_path / "cdf.png")
+    res = _serve(url, tmp_path, "--num-requests", "6", "--request-rate", "40",
+                 "--input-len", "20", "--output-len", "6", *plot)  # fmt: skip
+    _assert_png(plot)
+    assert res["meta"]["server_info"]["model_id"] == "dummy:tiny"
+    s = res["summary"]
+    assert (s["completed"], s["failed"]) == (6, 0)
+    _check_latencies(res)
+
+
+def test_bench_serve_decode_at_depth(url, tmp_path):
+    res = _serve(url, tmp_path, "--depth", "700", "--output-len", "24")
+    (r,) = res["requests"]
+    assert r["status"] == "ok" and r["prompt_tokens"] == 700
+    assert r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0
+    assert res["decode_tokens_per_s"]["p50"] == pytest.approx(r["decode_tokens_per_s"])
+
+
+def test_bench_serve_openai(url, tmp_path):
+    if httpx.get(f"{url}/v1/models").status_code != 200:
+        pytest.skip("this server has no OpenAI routes")
+    res = _serve(url, tmp_path, "--api", "openai", "--num-requests", "4", "--concurrency", "2",
+                 "--input-len", "40", "--output-len", "10")  # fmt: skip
+    s = res["summary"]
+    assert (s["completed"], s["failed"], s["early_stops"]) == (4, 0, 0)
+    for r in res["requests"]:  # ignore_eos: exact lengths; usage gives the token counts
+        assert (r["prompt_tokens"], r["output_tokens"]) == (40, 10)
+        assert 1 <= r["token_events"] <= 10
+    _check_latencies(res)
+
+
+def test_bench_serve_stops_at_max_duration(url, tmp_path):
+    # one request at a time, each ~100+ decode steps: the 1 s bound cuts the run short
+    res = _serve(url, tmp_path, "--num-requests", "20", "--concurrency", "1",
+                 "--input-len", "8", "--output-len", "400", "--max-duration", "1")  # fmt: skip
+    s = res["summary"]
+    assert s["cancelled"] >= 1 and s["completed"] + s["cancelled"] == 20
+    assert s["failed"] == 0 and s["duration_s"] < 5
+
+
+def test_bench_serve_counts_failures_by_status(url, tmp_path):
+    # a prompt longer than the context (1024) is refused with 422 by every request
+    res = _serve(url, tmp_path, "--num-requests", "3", "--input-len", "2000", "--output-len", "4")
+    s = res["summary"]
+    assert (s["completed"], s["failed"], s["failures"]) == (0, 3, {"http_422": 3})
+    assert all("validation" in r["error"] for r in res["requests"])
