@@ -92,16 +92,20 @@ def copy_bandwidth() -> float:
 
 
 class DecodeInputs:
-    """``n`` independent input sets for one (batch, context) point, paged with ``page``."""
+    """``n`` independent input sets for one (batch, context) point, paged with ``page``; the
+    pages of a set are shuffled, or with ``shuffle=False`` in order (each sequence contiguous)."""
 
-    def __init__(self, bsz: int, ctx: int, page: int, n: int, hq: int = HQ, hkv: int = HKV):
+    def __init__(
+        self, bsz: int, ctx: int, page: int, n: int, hq: int = HQ, hkv: int = HKV, shuffle=True
+    ):
         self.bsz, self.ctx, self.page = bsz, ctx, page
         nb = bsz * ctx // page
         self.sets = []
         for _ in range(n):
             k = torch.randn(nb, page, hkv, D, device=DEV, dtype=DT)
             v = torch.randn(nb, page, hkv, D, device=DEV, dtype=DT)
-            bt = torch.randperm(nb, device=DEV, dtype=torch.int32).view(bsz, ctx // page)
+            ids = torch.randperm(nb, device=DEV) if shuffle else torch.arange(nb, device=DEV)
+            bt = ids.to(torch.int32).view(bsz, ctx // page)
             q = torch.randn(bsz, hq, D, device=DEV, dtype=DT)
             self.sets.append((q, k, v, bt, torch.empty_like(q)))
         self.seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
@@ -115,10 +119,10 @@ def n_sets(bsz: int, ctx: int) -> int:
     return 1 if SMOKE else max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes(bsz, ctx))))
 
 
-def time_ours(bsz, ctx, page=16, hq=HQ, hkv=HKV, **kw) -> float:
+def time_ours(bsz, ctx, page=16, hq=HQ, hkv=HKV, shuffle=True, **kw) -> float:
     from kernels.decode import decode_attention
 
-    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx), hq, hkv)
+    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx), hq, hkv, shuffle)
     sl, scale = inp.seq_lens, D**-0.5
     calls = [
         (
@@ -284,8 +288,8 @@ def prefill_table(sizes) -> list[dict]:
     return rows
 
 
-DECODE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages)
-    (64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 4, 2), (32, 2, 4), (32, 4, 2),
+DECODE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages); the first is decode_config's default
+    (64, 4, 3), (64, 4, 2), (32, 4, 3), (64, 4, 4), (32, 4, 2), (64, 8, 3),
 ]  # fmt: skip
 PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
@@ -297,21 +301,25 @@ PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
 }  # fmt: skip
 SWEEP_POINTS = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384),
                 (32, 4096), (32, 131072)]  # fmt: skip
-SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill")
+SWEEPS = ("decode-config", "fuse", "pdl", "layout", "splits", "page", "prefill")
+SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def sweep(which: list[str]) -> list[dict]:
+def sweep(which: list[str], points=None) -> list[dict]:
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
-    decode-config: stage-1 (BLOCK_N, warps, stages); pdl: the combine launched early or not;
-    layout: the same KV bytes with one KV head per sequence (each token's K row contiguous with
-    the next: the layout of a per-head cache) against [N, BS, Hkv, D] pages; splits: split
-    counts; page: page sizes; prefill: tile configs (TFLOP/s in "tflops").
+    decode-config: stage-1 (BLOCK_N, warps, stages); fuse: the merge in stage 1's last
+    program per (sequence, KV head) or in a second kernel; pdl: programmatic dependent launch
+    on or off; layout: the same KV bytes placed differently: [N, BS, Hkv, D] pages shuffled or
+    in order, or one KV head per sequence (a head's rows contiguous within a page: the layout
+    of a head-major cache) in pages of 16 or 128 tokens or wholly contiguous (SDPA's layout);
+    splits: split counts (at most two waves of 3 programs per SM); page: page sizes; prefill:
+    tile configs (TFLOP/s in "tflops"). ``points``: (batch, context) pairs for the decode sweeps.
     """
     from kernels import decode
 
     res = []
-    pts = SWEEP_POINTS if not SMOKE else [(1, 256)]
+    pts = points or (SWEEP_POINTS if not SMOKE else [(1, 256)])
 
     def rec(kind, bsz, ctx, variant, us, **extra):
         res.append({"sweep": kind, "batch": bsz, "context": ctx, "variant": variant, "us": us,
@@ -322,25 +330,39 @@ def sweep(which: list[str]) -> list[dict]:
         for bsz, ctx in pts:
             for cfg in DECODE_CONFIGS:
                 rec("decode-config", bsz, ctx, cfg, attempt(time_ours, bsz, ctx, config=cfg))
+    if "fuse" in which:
+        for bsz, ctx in pts:
+            for name, fused in (("fused", True), ("combine kernel", False)):
+                decode._FUSE_COMBINE = fused
+                rec("fuse", bsz, ctx, name, attempt(time_ours, bsz, ctx))
+        decode._FUSE_COMBINE = True
     if "pdl" in which:
         for bsz, ctx in pts:
-            for name, on, stage1 in (("none", False, False), ("combine", True, False),
-                                     ("combine+stage1", True, True)):  # fmt: skip
-                decode._USE_PDL, decode._PDL_STAGE1 = on, stage1
+            for name, on in (("none", False), ("pdl", True)):
+                decode._USE_PDL = on
                 decode._pdl_supported.cache_clear()
                 rec("pdl", bsz, ctx, name, attempt(time_ours, bsz, ctx))
-        decode._USE_PDL, decode._PDL_STAGE1 = True, True
+        decode._USE_PDL = True
         decode._pdl_supported.cache_clear()
-    if "layout" in which:
-        for bsz, ctx in [(1, 131072), (8, 16384), (8, 131072), (32, 16384)] if not SMOKE else pts:
-            rec("layout", bsz, ctx, "paged [N,BS,Hkv,D]", attempt(time_ours, bsz, ctx))
-            per_head = attempt(time_ours, bsz * HKV, ctx, hq=HQ // HKV, hkv=1)
-            rec("layout", bsz, ctx, "one KV head per sequence", per_head)
+    if "layout" in which:  # what the KV placement costs: the kernel alone on SDPA's layout
+        variants = (  # name, batch factor, time_ours kwargs
+            ("8 heads/page, page 16, shuffled", 1, {}),
+            ("8 heads/page, page 16, in order", 1, {"shuffle": False}),
+            ("1 head/seq, page 16 (4 KB), shuffled", HKV, {"hq": HQ // HKV, "hkv": 1}),
+            ("1 head/seq, page 128 (32 KB), shuffled", HKV,
+             {"hq": HQ // HKV, "hkv": 1, "page": 128}),
+            ("1 head/seq, in order (contiguous)", HKV,
+             {"hq": HQ // HKV, "hkv": 1, "shuffle": False}),
+        )  # fmt: skip
+        default = [(1, 131072), (8, 16384), (8, 131072), (32, 16384)] if not SMOKE else pts
+        for bsz, ctx in points or default:
+            for name, factor, kw in variants:
+                rec("layout", bsz, ctx, name, attempt(time_ours, bsz * factor, ctx, **kw))
     if "splits" in which:
         for bsz, ctx in pts:
-            for s in (1, 2, 4, 8, 16, 24, 33, 48, 66, 99, 132):
-                if s * 64 <= ctx and bsz * HKV * s <= 4 * 132 * 2:
-                    rec("splits", bsz, ctx, s, attempt(time_ours, bsz, ctx, num_splits=s))
+            for sp in SPLIT_CHOICES:
+                if sp * 64 <= ctx and bsz * HKV * sp <= 3 * 132 * 2:
+                    rec("splits", bsz, ctx, sp, attempt(time_ours, bsz, ctx, num_splits=sp))
     if "page" in which:
         for bsz, ctx in pts:
             for page in (16, 64, 256):
@@ -398,6 +420,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--prefill", default="4096,16384")
+    ap.add_argument("--points", help="decode sweep points, e.g. 1x4096,32x131072")
     args = ap.parse_args(argv)
 
     import triton
@@ -420,7 +443,12 @@ def main(argv=None) -> None:
     print(f"  copy {copy_gbs:,.0f} GB/s", flush=True)
     result = {"meta": meta, "copy_gbs": copy_gbs}
     if args.sweep:
-        result["sweep"] = sweep(args.sweep.split(","))
+        pts = (
+            [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+            if args.points
+            else None
+        )
+        result["sweep"] = sweep(args.sweep.split(","), pts)
     else:
         batches = [int(x) for x in args.batches.split(",")]
         contexts = [int(x) for x in args.contexts.split(",")]

@@ -5,20 +5,24 @@ For sequence ``b`` and query head ``h`` (KV head ``h // G``, ``G = Hq / Hkv``)::
     out[b, h] = sum_j softmax_j(scale * q[b, h] . K[b, j]) V[b, j],   j < seq_lens[b]
     lse[b, h] = log sum_j exp(scale * q[b, h] . K[b, j])
 
-Stage 1 (``_decode_split_kernel``), grid ``(B, Hkv, S)``: program ``(b, g, s)`` takes the ``G``
-query heads of KV head ``g`` together (each KV byte is read once), walks split ``s`` of the
-sequence's KV through its block table, and writes that split's normalised partial output and
-LSE. Stage 2 (``_decode_combine_kernel``), grid ``(B, Hq)``, merges the splits by their LSEs.
-With ``S == 1`` stage 1 writes the output directly and stage 2 is skipped.
+One kernel (``_decode_split_kernel``), grid ``(B, Hkv, S)``: program ``(b, g, s)`` takes the
+``G`` query heads of KV head ``g`` together (each KV byte is read once), walks split ``s`` of
+the sequence's KV through its block table, and writes that split's normalised partial output
+and LSE. The last of the ``S`` programs of ``(b, g)`` to finish (an atomic counter per
+``(b, g)`` tells it) merges the ``S`` partials by their LSEs into the output, so a call is one
+launch. With ``S == 1`` the program writes the output directly. ``_FUSE_COMBINE = False``
+merges in a second kernel (``_decode_combine_kernel``, grid ``(B, Hq)``) instead.
 
 CUDA graphs: the grid depends only on host ints (``B``, ``max_seq_len``). Each program reads its
 sequence length from device memory; by default the ``S`` splits divide each sequence evenly, so
 a graph captured for a long ``max_seq_len`` still spreads a short sequence over all its splits.
-Splits with no work write an LSE of -inf, which the combine ignores. ``split_size=`` fixes the
-split length instead (the same reduction order whatever the batch: batch-invariant mode).
+Splits with no work write an LSE of -inf, which the merge ignores. ``split_size=`` fixes the
+split length instead (the same reduction order whatever the batch: batch-invariant mode). The
+merge counters live in a per-device buffer that every launch leaves zeroed (the merging
+program resets its counter), so replays need no memset; calls on one device must not overlap.
 
-On sm_90+ both kernels use programmatic dependent launch: each is scheduled while its
-predecessor runs and waits for it in-kernel (``gdc_wait``) before touching memory.
+On sm_90+ the kernel uses programmatic dependent launch: it is scheduled while its predecessor
+(``write_kv``) runs and waits for it in-kernel (``gdc_wait``) before touching memory.
 """
 
 from __future__ import annotations
@@ -35,14 +39,97 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile_pages(bt, n0, end, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block-table entries of the KV tile at token ``n0`` (int64): one scalar when the tile
+    lies in one page, else one per token [BN]. Tokens at or past ``end`` read nothing (0)."""
+    if PAGE >= BLOCK_N:
+        return tl.load(bt + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        kv = n0 + offs_n
+        return tl.load(bt + kv // PAGE, mask=kv < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _merge_splits(
+    PartOut,  # [B, Hq, S, D] fp32
+    PartLse,  # [B, Hq, S] fp32
+    Out,  # [B, Hq, D]
+    Lse,  # [B, Hq] fp32
+    b,
+    head0,  # the first of the NH heads merged here
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    NH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s), for NH heads.
+
+    One pass over the splits in chunks of BLOCK_S with a running max: one round trip per
+    chunk, the partial loads not waiting on the LSE loads. Chunks past the last non-empty split
+    change nothing (weight 0, scale exactly 1), so with a fixed BLOCK_S the result does not
+    depend on the number of splits. Loads bypass L1 (``.cg``): other programs of this grid
+    (fused merge) or the previous kernel wrote the partials.
+    """
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = head0 + offs_h  # [BH]
+    h_mask = offs_h < NH
+    d_mask = offs_d < HEAD_DIM
+    lse_base = PartLse + b * stride_plb + heads[:, None] * stride_plh  # [BH, 1]
+    part_base = PartOut + b * stride_pb + heads[:, None, None] * stride_ph + offs_d[None, None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        idx = s0 + offs_s  # [BS]
+        live = h_mask[:, None] & (idx[None, :] < num_splits)  # [BH, BS]
+        lse = tl.load(lse_base + idx[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(
+            part_base + idx[None, :, None] * stride_ps,
+            mask=live[:, :, None] & d_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [BH, BS, BD]; empty splits hold zeros
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing yet: keep exp() finite
+        rescale = tl.exp(m - m_ref)  # [BH]
+        w = tl.exp(lse - m_ref[:, None])  # [BH, BS]
+        acc = acc * rescale[:, None] + tl.sum(w[:, :, None] * part, 1)
+        denom = denom * rescale + tl.sum(w, 1)
+        m = m_new
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]  # seq_len 0: output 0
+    o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    if STORE_LSE:
+        lse = m + tl.log(tl.where(h_mask, denom, 1.0))  # seq_len 0: -inf
+        tl.store(Lse + b * stride_lb + heads * stride_lh, lse, mask=h_mask)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,  # [B, Hq, D]
     K,  # [N, PAGE, Hkv, D]
     V,  # [N, PAGE, Hkv, D]
     SeqLens,  # [B] int32
     BlockTables,  # [B, M] int32
-    Out,  # [B, Hq, D] (DIRECT) or [B, Hq, S, D] fp32 partials
-    Lse,  # [B, Hq] fp32 (DIRECT) or [B, Hq, S] fp32 partials
+    PartOut,  # [B, Hq, S, D] fp32 partials, or Out itself (DIRECT)
+    PartLse,  # [B, Hq, S] fp32 partials, or Lse itself (DIRECT)
+    Out,  # [B, Hq, D]: FUSED merges into it
+    Lse,  # [B, Hq] fp32 (STORE_LSE)
+    Counters,  # [B * Hkv] int32, zero between launches (FUSED)
     qk_scale,  # scale * log2(e)
     num_splits,  # S, a runtime int: one compiled kernel serves every batch size
     min_split,  # tokens; each split is at least this long (a multiple of BLOCK_N)
@@ -52,24 +139,31 @@ def _decode_split_kernel(
     stride_kt,
     stride_kh,
     stride_btb,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_plb,
+    stride_plh,
     stride_ob,
     stride_oh,
-    stride_os,
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     DIRECT: tl.constexpr,
+    FUSED: tl.constexpr,
     STORE_LSE: tl.constexpr,
     PDL: tl.constexpr,
     PDL_WAIT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MERGE_H: tl.constexpr,
+    MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    if PDL:  # the combine may be scheduled now; it waits for this grid's results itself
+    if PDL:  # a separate combine may be scheduled now; it waits for this grid's results itself
         tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
         tl.extra.cuda.gdc_wait()
@@ -97,14 +191,17 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt = BlockTables + b.to(tl.int64) * stride_btb
     head_off = hkv.to(tl.int64) * stride_kh
+    # The block-table entries of each tile are loaded one tile ahead (carried in `pages`): the
+    # K/V addresses of a tile never wait on a block-table load issued in the same iteration,
+    # and the pipeliner keeps num_stages - 1 K/V tiles in flight (Triton 3.6, sm_90: 2 buffers
+    # at 3 stages, 71.7 KB smem; 3 at 4, 104.4 KB; entries loaded in the loop: 1 buffer at any
+    # num_stages, 2 loads two tiles ahead: no pipelining at all).
+    pages = _tile_pages(bt, start, end, offs_n, PAGE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
+        nxt = _tile_pages(bt, n0 + BLOCK_N, end, offs_n, PAGE, BLOCK_N)
         kv = n0 + offs_n  # [BN] token positions
         kv_mask = kv < end
-        if PAGE >= BLOCK_N:  # the tile lies in one page
-            page = tl.load(bt + n0 // PAGE).to(tl.int64)
-        else:
-            page = tl.load(bt + kv // PAGE, mask=kv_mask, other=0).to(tl.int64)
-        row = page * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
+        row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
         ld_mask = kv_mask[:, None] & d_mask[None, :]
         k = tl.load(K + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)  # [BN, BD]
         v = tl.load(V + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)  # [BN, BD]
@@ -116,21 +213,38 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+        pages = nxt
 
     empty = l_i == 0.0  # a split with no tokens: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
     lse = tl.where(empty, float("-inf"), lse)
-    o_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
+    o_ptrs = PartOut + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps
     o_mask = g_mask[:, None] & d_mask[None, :]
-    l_ptrs = Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split
+    l_ptrs = PartLse + b.to(tl.int64) * stride_plb + heads * stride_plh + split
     if DIRECT:
-        tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptrs + offs_d[None, :], out.to(PartOut.dtype.element_ty), mask=o_mask)
         if STORE_LSE:
             tl.store(l_ptrs, lse, mask=g_mask)
     else:
         tl.store(o_ptrs + offs_d[None, :], out, mask=o_mask)
         tl.store(l_ptrs, lse, mask=g_mask)
+        if FUSED:
+            # The last of the S programs of (b, hkv) to finish merges all S partials: a
+            # barrier (every thread's partial stores issued), then one acq_rel atomic at GPU
+            # scope (releases them; the last one acquires everyone else's).
+            tl.debug_barrier()
+            counter = Counters + b * tl.num_programs(1) + hkv
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
+                _merge_splits(
+                    PartOut, PartLse, Out, Lse, b.to(tl.int64), hkv * GROUP, num_splits,
+                    stride_pb, stride_ph, stride_ps, stride_plb, stride_plh,
+                    stride_ob, stride_oh, stride_lb, stride_lh,
+                    NH=GROUP, HEAD_DIM=HEAD_DIM, STORE_LSE=STORE_LSE, BLOCK_H=MERGE_H,
+                    BLOCK_S=MERGE_S, BLOCK_D=BLOCK_D,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -142,12 +256,12 @@ def _decode_combine_kernel(
     stride_pb,
     stride_ph,
     stride_ps,
-    stride_lb,
-    stride_lh,
+    stride_plb,
+    stride_plh,
     stride_ob,
     stride_oh,
-    stride_fb,
-    stride_fh,
+    stride_lb,
+    stride_lh,
     num_splits,
     HEAD_DIM: tl.constexpr,
     STORE_LSE: tl.constexpr,
@@ -155,46 +269,18 @@ def _decode_combine_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s).
-
-    One pass over the splits in chunks of BLOCK_S with a running max; the partial loads do not
-    wait on the LSE loads. Chunks past the last non-empty split change nothing (weight 0, scale
-    1), so with a fixed BLOCK_S the result does not depend on the number of splits.
-    """
+    """The unfused stage 2 (``_FUSE_COMBINE = False``): grid (B, Hq), one head each."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    lse_base = PartLse + b * stride_lb + h * stride_lh
-    part_base = PartOut + b * stride_pb + h * stride_ph
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # launched early (PDL): wait until stage 1 is done and visible
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    denom = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        idx = s0 + offs_s  # [BS]
-        live = idx < num_splits
-        lse = tl.load(lse_base + idx, mask=live, other=float("-inf"))  # -inf: empty split
-        part = tl.load(
-            part_base + idx[:, None] * stride_ps + offs_d[None, :],
-            mask=live[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BS, BD]; empty splits hold zeros
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing yet: keep exp() finite
-        rescale = tl.exp(m - m_ref)
-        w = tl.exp(lse - m_ref)  # [BS]
-        acc = acc * rescale + tl.sum(w[:, None] * part, 0)
-        denom = denom * rescale + tl.sum(w, 0)
-        m = m_new
-    out = acc / tl.where(denom == 0.0, 1.0, denom)  # seq_len 0: every split empty, output 0
-    tl.store(
-        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask
-    )
-    if STORE_LSE:
-        tl.store(Lse + b * stride_fb + h * stride_fh, m + tl.log(denom))
+    _merge_splits(
+        PartOut, PartLse, Out, Lse, b, h, num_splits,
+        stride_pb, stride_ph, stride_ps, stride_plb, stride_plh,
+        stride_ob, stride_oh, stride_lb, stride_lh,
+        NH=1, HEAD_DIM=HEAD_DIM, STORE_LSE=STORE_LSE, BLOCK_H=1, BLOCK_S=BLOCK_S,
+        BLOCK_D=BLOCK_D,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -206,38 +292,80 @@ def _num_sms(device: torch.device) -> int:
 
 # ---- tuning (measurements: docs/benchmarks/kernels.md, `python -m kernels.bench --sweep`)
 
-# Stage-1 programs per SM the split heuristic aims for, never more: all programs must be resident
-# at once (one wave; (64, 4, 2) fits 5 per SM). H200, B=32 at 4K: 2 splits (512 programs) 134 µs,
-# 3 splits (768: a second, mostly empty wave) 160 µs; B=8 at 16K: 8 splits 132 µs, 12: 168 µs.
-_PROGRAMS_PER_SM = 4
-_MIN_SPLIT_TOKENS = 64  # at least one KV tile per split
+# Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a second,
+# mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168 µs). H100,
+# (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4 /
+# 31.7, 64K 95.0 / 98.8; B=32/4K: 1 split (256 programs) 184 µs, 2 splits (512) 195.
+_PROGRAMS_PER_SM = 2
+_SMEM_PER_SM = 228 << 10  # sm_90; each resident program also holds 1 KB of the driver's
+# Tokens per split at least (4 tiles; the heuristic only): H100, B=1/4K, (64, 4, 3): 16
+# splits of 256 tokens 11.8 µs, 32 of 128 12.3, 64 of 64 15.8.
+_MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 256
 _FIXED_CHUNK = 16  # splits merged per step in split_size mode: the order never depends on S
-# Programmatic dependent launch (sm_90+): the combine is launched while stage 1 runs, and stage
-# 1 while the previous kernel (write_kv, or the last layer's combine) runs; each waits on its
-# predecessor in-kernel. H200, graph replay (none / combine / both): B=1/4K 13.4 / 12.1 / 11.9
-# µs, B=1/16K 27.2 / 26.9 / 26.0; B=32/128K 3880 / 3900 / 3949 (one sample each).
+# The last stage-1 program of each (sequence, KV head) merges the splits (an atomic counter
+# finds it) instead of a second kernel: one launch per call.
+_FUSE_COMBINE = True
+# Programmatic dependent launch (sm_90+): stage 1 is launched while the previous kernel
+# (write_kv, which triggers early) runs and waits for it in-kernel; with _FUSE_COMBINE off, the
+# combine is launched while stage 1 runs. H200, graph replay, unfused (none / combine / both):
+# B=1/4K 13.4 / 12.1 / 11.9 µs, B=1/16K 27.2 / 26.9 / 26.0; B=32/128K 3880 / 3900 / 3949.
+# The fused kernel triggers no dependents: nothing after decode in the engine launches with PDL,
+# so a trigger would only overlap back-to-back decode calls, which happen in benchmarks alone.
 _USE_PDL = True
 _PDL_STAGE1 = True
 
 
 def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of stage 1, independent of the batch size (so that
-    ``split_size=`` gives batch-invariant results). H200, Llama-3-8B heads, 6 configs at 8
-    points (B 1-32, 4K-128K): (64, 4, 2) fastest at 5, within 2% at 2, and 12.7 vs 12.0 µs
-    for (32, 4, 2) at B=1/4K; BLOCK_N 128 is 8-17% slower from 16K up."""
+    ``split_size=`` gives batch-invariant results). The block-table entries are loaded a tile
+    ahead, so num_stages - 1 K/V tiles are in flight per program: 3 at (64, 4, 4) (104 KB of
+    shared memory, 2 programs per SM). H100, 6 configs at 7 points (B 1-32, 4K-128K), each at
+    its own heuristic split count: (64, 4, 4) fastest at 6, 1.2% behind (64, 4, 3) at B=8/4K;
+    (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
+    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md)."""
     block_n = 64 if head_dim <= 128 else 32
-    return block_n, 4, 2
+    return block_n, 4, 4
+
+
+def programs_per_sm(config: tuple[int, int, int], head_dim: int, itemsize: int) -> int:
+    """Stage-1 programs that fit on one SM at once (shared memory: num_stages - 1 K and V tiles
+    plus ~8 KB for q, P and layout scratch; 38.9 / 71.7 / 104.4 KB at (64, 4, 2 / 3 / 4) on
+    sm_90, Triton 3.6), capped at ``_PROGRAMS_PER_SM``."""
+    block_n, _, stages = config
+    smem = max(1, stages - 1) * 2 * block_n * head_dim * itemsize + (9 << 10)
+    return max(1, min(_PROGRAMS_PER_SM, _SMEM_PER_SM // smem))
 
 
 def num_splits_for(
-    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
+    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int, per_sm: int
 ) -> int:
     """Splits per sequence: the most that keep ``batch * num_kv_heads * splits`` stage-1
-    programs within ``_PROGRAMS_PER_SM`` per SM, and no split under ``_MIN_SPLIT_TOKENS``."""
-    want = _PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads)
-    most = math.ceil(max_seq_len / max(_MIN_SPLIT_TOKENS, block_n))
-    return max(1, min(want, most, _MAX_SPLITS))
+    programs within ``per_sm`` per SM, no split under ``_MIN_SPLIT_TOKENS``, and every split
+    the same whole number of tiles (none left empty by rounding)."""
+    want = max(1, per_sm * num_sms // (batch * num_kv_heads))
+    tiles = math.ceil(max_seq_len / max(_MIN_SPLIT_TOKENS, block_n))
+    per_split = math.ceil(tiles / min(want, tiles, _MAX_SPLITS))
+    return max(1, math.ceil(tiles / per_split))
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, one per (sequence, KV head), kept per device.
+    Each launch leaves them zero (the merging program resets its own), so CUDA graphs replay
+    with them; calls on one device must not overlap in time (one stream, as in the engine)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "decode_attention: run it once outside CUDA-graph capture first (it allocates "
+                f"{n} split counters)"
+            )
+        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 @functools.cache
@@ -288,8 +416,9 @@ def decode_attention(
         return (out, lse) if return_lse else out
 
     group = hq // hkv
-    block_n, num_warps, num_stages = config or decode_config(d, group)
-    min_split = block_n
+    tiles = tuple(config or decode_config(d, group))
+    block_n = tiles[0]
+    min_split = block_n  # explicit num_splits: split as asked
     if split_size is not None:
         if split_size <= 0 or split_size % block_n:
             raise ValueError(f"split_size {split_size} must be a positive multiple of {block_n}")
@@ -298,19 +427,22 @@ def decode_attention(
     elif num_splits is not None:
         splits = max(1, int(num_splits))
     else:
-        splits = num_splits_for(bsz, hkv, max_seq_len, _num_sms(q.device), block_n)
+        per_sm = programs_per_sm(tiles, d, q.element_size())
+        splits = num_splits_for(bsz, hkv, max_seq_len, _num_sms(q.device), block_n, per_sm)
+        # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
+        min_split = math.ceil(_MIN_SPLIT_TOKENS / block_n) * block_n
 
-    direct = splits == 1
-    if direct:  # stage 1 writes the output
+    if splits == 1:  # stage 1 writes the output
         part_out, part_lse = out, lse if return_lse else out.new_empty((1,), dtype=torch.float32)
     else:
         part_out = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
-    args = (q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse)
-    tiles = (block_n, num_warps, num_stages)
+    fused = _FUSE_COMBINE and splits > 1
+    counters = _split_counters(q.device, bsz * hkv) if fused else part_lse
+    args = (q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse, counters)
     pdl = _pdl_supported(q.device)
     try:
-        _launch(*args, scale, splits, min_split, tiles, return_lse, bool(split_size), pdl)
+        _launch(*args, scale, splits, min_split, tiles, return_lse, bool(split_size), fused, pdl)
     except Exception as e:
         if not pdl:
             raise
@@ -320,51 +452,74 @@ def decode_attention(
         global _USE_PDL
         _USE_PDL = False  # a Triton without PDL launches: plain launches from now on
         _pdl_supported.cache_clear()
-        _launch(*args, scale, splits, min_split, tiles, return_lse, bool(split_size), False)
+        _launch(*args, scale, splits, min_split, tiles, return_lse, bool(split_size), fused, False)
     return (out, lse) if return_lse else out
 
 
+def _merge_chunk(splits: int, heads: int, block_d: int, fixed: bool, per_thread: int) -> int:
+    """Splits merged per step: as many as keep ``per_thread`` fp32 partials per thread (4 warps;
+    the fused merge takes that many whatever ``splits`` is, so one compiled kernel serves every
+    split count), or in split_size mode a number that does not depend on the split count
+    (``_FIXED_CHUNK``), so that the merge order is fixed."""
+    fit = max(1, triton.next_power_of_2(per_thread * 128 // (heads * block_d) + 1) // 2)
+    return min(_FIXED_CHUNK, fit) if fixed else fit
+
+
+def _merge_per_thread(per_sm: int, num_warps: int) -> int:
+    """Partials per thread in one fused merge step: 128 (160 registers, sm_90, Triton 3.6)
+    where the registers of ``per_sm`` resident programs allow it, else 64 (96 registers, the
+    main loop's own count): at (64, 4, 3) the 3 programs that fit in shared memory can have
+    170 registers per thread, so a merge of 32 splits x 4 heads takes one round trip."""
+    regs = 65536 // (per_sm * num_warps * 32)
+    return 128 if regs >= 168 else 64
+
+
 def _launch(
-    q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse,
-    scale, splits, min_split, tiles, return_lse, fixed, pdl,
+    q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse, counters,
+    scale, splits, min_split, tiles, return_lse, fixed, fused, pdl,
 ):  # fmt: skip
-    """Stage 1, then (with several splits) the combine; both launched early when ``pdl``."""
+    """Stage 1 (merging in its last program per (sequence, KV head) when ``fused``), then with
+    several unfused splits the combine; launched early (PDL) when ``pdl``."""
     bsz, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     block_n, num_warps, num_stages = tiles
+    group = hq // hkv
     direct = splits == 1
     if direct:
-        so = (out.stride(0), out.stride(1), 0)
-        sl = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
+        sp = (out.stride(0), out.stride(1), 0)
+        spl = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
     else:
-        so, sl = part_out.stride()[:3], part_lse.stride()[:2]
+        sp, spl = part_out.stride()[:3], part_lse.stride()[:2]
+    sl = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
     block_d = triton.next_power_of_2(d)
+    merge_h = triton.next_power_of_2(group)
+    fin_lse = lse if return_lse else part_lse
+    per_thread = _merge_per_thread(programs_per_sm(tiles, d, q.element_size()), num_warps)
+    merge_s = _merge_chunk(splits, merge_h, block_d, fixed, per_thread)
     stage1_extra = {"launch_pdl": True} if pdl and _PDL_STAGE1 else {}
     _decode_split_kernel[(bsz, hkv, splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, fin_lse, counters,
         scale * _LOG2E, splits, min_split,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        *so, *sl,
-        GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, DIRECT=direct, STORE_LSE=return_lse,
-        PDL=pdl and not direct, PDL_WAIT=pdl and _PDL_STAGE1,
-        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=block_n, BLOCK_D=block_d,
+        *sp, *spl, out.stride(0), out.stride(1), *sl,
+        GROUP=group, HEAD_DIM=d, PAGE=page, DIRECT=direct, FUSED=fused, STORE_LSE=return_lse,
+        PDL=pdl and not direct and not fused, PDL_WAIT=pdl and _PDL_STAGE1,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, **stage1_extra,
     )  # fmt: skip
-    if direct:
+    if direct or fused:
         return
-    # splits merged per step: all of them (up to 64) for the fewest round trips, or a fixed 16
-    # in split_size mode so that the merge order is the same for any number of splits
-    chunk = _FIXED_CHUNK if fixed else min(64, triton.next_power_of_2(splits))
-    fin_lse = lse if return_lse else part_lse
+    chunk = _merge_chunk(splits, 1, block_d, fixed, 64)
+    chunk = chunk if fixed else min(chunk, triton.next_power_of_2(splits))
     extra = {"launch_pdl": True} if pdl else {}
     _decode_combine_kernel[(bsz, hq)](
         part_out, part_lse, out, fin_lse,
         *part_out.stride()[:3], *part_lse.stride()[:2],
-        out.stride(0), out.stride(1),
-        fin_lse.stride(0) if return_lse else 0, fin_lse.stride(1) if return_lse else 0,
+        out.stride(0), out.stride(1), *sl,
         splits,
         HEAD_DIM=d, STORE_LSE=return_lse, USE_PDL=pdl, BLOCK_S=chunk, BLOCK_D=block_d,
         num_warps=8 if chunk * block_d >= 8192 else 4, **extra,

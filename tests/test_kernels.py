@@ -222,6 +222,31 @@ def test_decode_strided_out_and_empty_sequences():
         assert_close(out[live], ref, TOL[torch.float16], f"decode out, {splits} splits")
 
 
+def test_decode_fused_merge_matches_combine_kernel_and_leaves_counters_zero():
+    """The merge in the last stage-1 program of each (sequence, KV head) against the separate
+    combine kernel; every launch leaves the split counters zeroed for the next (CUDA graphs)."""
+    from kernels import decode
+
+    kv = Paged([700, 1, 129, 300], 2, 64, 16, torch.float16)
+    q = torch.randn(4, 6, 64, device=DEVICE).half()
+    ref_out, ref_lse = decode_ref(q, kv, 0.125)
+    runs = {}
+    try:
+        for fused in (True, False):
+            decode._FUSE_COMBINE = fused
+            for splits in (3, 11):
+                out, lse = run_decode(q, kv, 0.125, num_splits=splits)
+                assert_close(out, ref_out, TOL[torch.float16], f"fused={fused} S={splits}")
+                assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"lse fused={fused}")
+                runs[fused, splits] = out
+    finally:
+        decode._FUSE_COMBINE = True
+    for splits in (3, 11):
+        assert_close(runs[True, splits], runs[False, splits].double(), 1e-3, "fused vs kernel")
+    counters = decode._COUNTERS[q.device]
+    assert not counters.any(), f"split counters left at {counters.nonzero().flatten().tolist()}"
+
+
 # ---------------------------------------------------------------- prefill
 
 PREFILL_CASES = [  # (dtype, hq, hkv, d, qlens, ctx, page)

@@ -207,3 +207,29 @@ def test_write_kv_then_decode_chain():
         out = decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=8192)
         ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5)
         check(out, ref, BF16_TOL, f"chain at {sl.tolist()}")
+
+
+def test_decode_fused_merge_is_race_free():
+    """Many splits per (sequence, KV head), so many programs race for the merge: 30 launches
+    give the same bits, match the separate combine kernel, and leave the counters zeroed."""
+    from kernels import decode
+
+    decode_attention, *_ = _lazy()
+    k, v, bt, sl = paged([65536, 3000, 1, 20000], 8, 128, 16)
+    q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 128**-0.5)
+    for splits in (None, 64, 200):
+        outs = [decode_attention(q, k, v, sl, bt, 128**-0.5, max_seq_len=65536,
+                                 num_splits=splits) for _ in range(30)]  # fmt: skip
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0]), f"{splits} splits: results differ between runs"
+        check(outs[0], ref, BF16_TOL, f"fused merge, {splits} splits")
+        decode._FUSE_COMBINE = False
+        try:
+            two = decode_attention(q, k, v, sl, bt, 128**-0.5, max_seq_len=65536,
+                                   num_splits=splits)  # fmt: skip
+        finally:
+            decode._FUSE_COMBINE = True
+        check(outs[0], two, 1e-3, f"fused vs combine kernel, {splits} splits")
+    torch.cuda.synchronize()
+    assert not decode._COUNTERS[q.device].any()
