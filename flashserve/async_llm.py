@@ -3,6 +3,10 @@
 The engine thread owns the ``LLMEngine``: it drains an inbox of new requests and aborts, runs
 steps while there is work, and hands each output to the asyncio loop of the request that waits
 for it. Callers never touch engine state directly.
+
+For the server's health checks and metrics it keeps a heartbeat (the engine thread stamps it on
+every loop iteration, idle waits included) and reports each request's timings
+(``RequestStats``) to the callbacks in ``on_finished``, on the request's own event loop.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from flashserve.config import EngineConfig
 from flashserve.llm_engine import LLMEngine, Request
@@ -21,6 +26,24 @@ from flashserve.outputs import RequestOutput
 from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestStats:
+    """One request's timings (``time.monotonic()`` seconds) and token counts."""
+
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # inter-token latencies
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    finish_reason: str | None = None  # None: the caller went away before the end
+    last_token: float | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason in (None, "abort")
 
 
 class AsyncLLM:
@@ -39,7 +62,8 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.last_step_time = time.monotonic()
+        self.last_step_time = time.monotonic()  # the heartbeat
+        self.on_finished: list[Callable[[RequestStats], None]] = []
 
     # ---- lifetime ----------------------------------------------------------------------------
 
@@ -60,6 +84,19 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def stalled_reason(self, stall_timeout: float) -> str | None:
+        """Why the engine is dead, or None while it makes progress: the watchdog's verdict.
+
+        Dead means the thread is gone, or work is pending and the heartbeat is older than
+        ``stall_timeout`` seconds (one step that long counts as a hang)."""
+        if not self.is_running:
+            return "the engine is not running"
+        busy = self.engine.has_unfinished() or not self._inbox.empty()
+        age = time.monotonic() - self.last_step_time
+        if busy and age > stall_timeout:
+            return f"the engine loop made no progress for {age:.0f} s"
+        return None
+
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(
@@ -71,20 +108,32 @@ class AsyncLLM:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
+        arrival = time.monotonic()
         req = await asyncio.to_thread(self.engine.make_request, prompt, params, rid)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), stream)
+        stats = RequestStats(arrival, num_prompt_tokens=req.seq.num_prompt_tokens)
         self._post(("add", req))
         finished = False
         try:
             while not finished:
-                out = await stream.get()
+                when, out = await stream.get()
+                _record(stats, when, out)
                 finished = out.finished
                 yield out
         finally:
             self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
+            self._report(stats)
+
+    def _report(self, stats: RequestStats) -> None:
+        stats.finished = time.monotonic()
+        for callback in self.on_finished:
+            try:
+                callback(stats)
+            except Exception:  # metrics must never break a request
+                logger.exception("an on_finished callback failed")
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -96,6 +145,14 @@ class AsyncLLM:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread dies: health checks see it, log why
+            self.error = exc
+            logger.exception("the engine thread died")
+            raise
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished():
@@ -133,8 +190,22 @@ class AsyncLLM:
             self._deliver([out])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
                 loop, stream = target
-                loop.call_soon_threadsafe(stream.put_nowait, out)
+                loop.call_soon_threadsafe(stream.put_nowait, (now, out))
+
+
+def _record(stats: RequestStats, when: float, out: RequestOutput) -> None:
+    """Fold one output, delivered by the engine at ``when``, into the request's stats."""
+    if out.new_tokens:
+        if stats.first_token is None:
+            stats.first_token = when
+        else:
+            stats.token_gaps.append(when - stats.last_token)
+        stats.last_token = when
+    stats.num_generated_tokens = out.num_generated_tokens
+    if out.finished:
+        stats.finish_reason = out.finish_reason

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 
 from flashserve import cli
+from server.settings import ServerSettings
 
 logger = logging.getLogger("flashserve.serve")
+API_KEY_ENV = "FLASHSERVE_API_KEY"
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +32,70 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="pass /generate inputs to the model as they are; by default plain text sent to a "
         "chat model is wrapped in its chat template as one user message",
     )
+    _add_production_args(parser.add_argument_group("production"))
     cli.add_engine_args(parser)
+
+
+def _add_production_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        help="generation requests served at once (default: no limit)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=0,
+        help="requests that may wait for a free slot; past both limits a request "
+        "gets 429 at once (default: 0)",
+    )
+    g.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request may wait in that queue before a 503 (default: 60)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds that requests in flight get to finish (default: 30)",
+    )
+    g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without engine progress, while requests are pending, after "
+        "which /health answers 503 (default: 120)",
+    )
+    g.add_argument(
+        "--api-key",
+        help=f"require Authorization: Bearer KEY on every route but /health, /ready "
+        f"and /metrics (default: ${API_KEY_ENV}, else no key)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        help="CORS origins, comma-separated or repeated (default: no CORS)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The server settings; the API key comes from --api-key, else $FLASHSERVE_API_KEY."""
+    origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
+    try:
+        return ServerSettings(
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_queued_requests=args.max_queued_requests,
+            queue_timeout=args.queue_timeout,
+            shutdown_timeout=args.shutdown_timeout,
+            stall_timeout=args.stall_timeout,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            allowed_origins=tuple(origins),
+        )
+    except ValueError as exc:
+        raise cli.CLIError(str(exc), status=2) from exc
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -37,18 +103,21 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from flashserve.async_llm import AsyncLLM
     from server.app import build_app
+    from server.shutdown import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = cli.engine_config_from_args(args)
+    settings = settings_from_args(args)
     logger.info(
         "loading %s on %s (%s)", config.model or "the default model", config.device, config.dtype
     )
     llm = cli.load_engine(AsyncLLM, config)  # before uvicorn: a bad --model is a plain error
-    app = build_app(llm=llm, raw_prompts=args.raw_prompts)
-    # open streams would hold a shutdown forever: give them 5 s, then close them
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    app = build_app(llm=llm, raw_prompts=args.raw_prompts, settings=settings)
+    # the drain (DrainingServer) lets requests finish; what is still open after it gets 2 s
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2
     )
+    DrainingServer(uvicorn_config, app, settings.shutdown_timeout).run()
     return 0
 
 

@@ -3,7 +3,11 @@
 - a request the server cannot serve as given (bad JSON, wrong types, out-of-range parameters,
   a prompt too long for the context): 422 ``validation``;
 - a generation that failed inside the engine: 424 ``generation`` (as TGI);
-- the engine not running: 503 ``unavailable``;
+- the engine not running, the server draining for shutdown, a request that waited in the
+  admission queue too long: 503 ``unavailable``;
+- past ``--max-concurrent-requests`` plus ``--max-queued-requests``: 429 ``overloaded``, with
+  ``Retry-After``;
+- no or a wrong API key: 401 ``unauthorized``, with ``WWW-Authenticate: Bearer``;
 - the client disconnected before the answer: 499 ``client_closed`` (for the access log only);
 - anything unexpected: 500 ``internal``; the traceback goes to the log, never to the client.
 
@@ -55,7 +59,7 @@ def error_body(message: str, error_type: str) -> dict[str, str]:
 
 # TGI error types -> OpenAI's
 _OPENAI_TYPES = {"generation": "server_error", "internal": "server_error",
-                 "unavailable": "server_error"}  # fmt: skip
+                 "unavailable": "server_error", "overloaded": "server_error"}  # fmt: skip
 
 
 def openai_error_body(
@@ -70,11 +74,12 @@ def is_openai_path(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-def _respond(
+def error_response(
     path: str, status: int, message: str, error_type: str, param: str | None = None,
     code: str | None = None, headers: dict[str, str] | None = None,
 ) -> JSONResponse:  # fmt: skip
-    """The error response in the shape of the route's API."""
+    """The error response in the shape of the route's API (for middlewares, which answer
+    before any route runs)."""
     if not is_openai_path(path):
         return JSONResponse(error_body(message, error_type), status_code=status, headers=headers)
     status = 400 if status == 422 else status
@@ -112,12 +117,12 @@ def register_error_handlers(app: FastAPI) -> None:
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     path = request.url.path
-    return _respond(path, exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
+    return error_response(path, exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
 
 
 async def _request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     message = describe_validation_error(exc)
-    return _respond(request.url.path, 422, message, "validation", _first_param(exc))
+    return error_response(request.url.path, 422, message, "validation", _first_param(exc))
 
 
 def _first_param(exc: RequestValidationError) -> str | None:
@@ -139,7 +144,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     path, status = request.url.path, exc.status_code
-    return _respond(path, status, str(exc.detail), "http", headers=exc.headers)
+    return error_response(path, status, str(exc.detail), "http", headers=exc.headers)
 
 
 class _CatchUnexpected:
@@ -165,5 +170,5 @@ class _CatchUnexpected:
             if started:  # too late for a status code: let the server close the connection
                 raise
             logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
-            response = _respond(scope["path"], 500, "internal server error", "internal")
+            response = error_response(scope["path"], 500, "internal server error", "internal")
             await response(scope, receive, send)

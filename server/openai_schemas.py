@@ -39,7 +39,7 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """What both routes share. Unknown fields are ignored, as OpenAI does; ``top_k``,
-    ``min_p`` and ``repetition_penalty`` are extras (as vLLM's)."""
+    ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are extras (as vLLM's)."""
 
     model: str | None = None
     n: int = 1
@@ -56,6 +56,7 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -106,6 +107,7 @@ class _SamplingRequest(_Strict):
             repetition_penalty=self.repetition_penalty or 1.0,
             seed=seed,
             stop=self.stop_list,
+            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )
 

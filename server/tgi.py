@@ -1,4 +1,5 @@
-"""The text-generation-inference (TGI) routes: /generate, /generate_stream, /, /health, /info."""
+"""The text-generation-inference (TGI) routes: /generate, /generate_stream, /, /info (and
+/health, in ``server/health.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 import flashserve
@@ -31,12 +32,6 @@ from server.schemas import (
 logger = logging.getLogger(__name__)
 router = APIRouter()
 T = TypeVar("T")
-
-
-@router.get("/health")
-async def health(request: Request) -> Response:
-    _engine(request)
-    return Response(status_code=200)
 
 
 @router.get("/info")

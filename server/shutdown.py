@@ -1,0 +1,68 @@
+"""Graceful shutdown: on SIGTERM (or SIGINT) stop taking requests, let those in flight finish,
+then stop.
+
+``DrainingServer`` is uvicorn's server with a drain in front of its own shutdown: the first
+signal sets ``app.state.draining`` (new requests get 503, ``/ready`` says 503) and waits until
+no request is in flight or ``shutdown_timeout`` has passed; then uvicorn closes the
+connections, the app's lifespan stops the engine, and ``run()`` returns (exit status 0). A
+second signal skips the rest of the drain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+logger = logging.getLogger(__name__)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining ``app`` (built by ``build_app``) before it stops."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.app_state = app.state
+        self.shutdown_timeout = shutdown_timeout
+        self._deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._deadline is None:
+            logger.info("draining: %d request(s) in flight, up to %g s",
+                        self.app_state.in_flight, self.shutdown_timeout)  # fmt: skip
+            self.app_state.draining = True
+            self._deadline = time.monotonic() + self.shutdown_timeout
+        else:
+            self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._deadline is not None and not self.should_exit:
+            if self.app_state.in_flight == 0:
+                self.should_exit = True
+            elif time.monotonic() > self._deadline:
+                logger.warning("shutdown timeout: closing %d request(s) still in flight",
+                               self.app_state.in_flight)  # fmt: skip
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Our handler for the signals; unlike uvicorn's, a drained signal is not raised again
+        afterwards: the process exits normally, with status 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
