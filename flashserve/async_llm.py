@@ -150,7 +150,13 @@ class AsyncLLM:
         except BaseException as exc:  # the thread dies: health checks see it, log why
             self.error = exc
             logger.exception("the engine thread died")
+            self._fail_streams(f"the engine stopped: {type(exc).__name__}: {exc}")
             raise
+
+    def _fail_streams(self, error: str) -> None:
+        """End every open stream with an error, so that no caller waits for a dead thread."""
+        self._deliver([RequestOutput(rid, [], True, "error", error=error)
+                       for rid in list(self._streams)])  # fmt: skip
 
     def _loop(self) -> None:
         while not self._stop.is_set():

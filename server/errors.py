@@ -1,7 +1,7 @@
 """Every error the API returns, in one place: TGI's ``{"error": ..., "error_type": ...}`` body.
 
-- a request the server cannot serve as given (bad JSON, wrong types, out-of-range parameters,
-  a prompt too long for the context): 422 ``validation``;
+- a request the server cannot serve as given (bad JSON or a body that cannot be read, wrong
+  types, out-of-range parameters, a prompt too long for the context): 422 ``validation``;
 - a generation that failed inside the engine: 424 ``generation`` (as TGI);
 - the engine not running, the server draining for shutdown, a request that waited in the
   admission queue too long: 503 ``unavailable``;
@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -51,6 +52,45 @@ class APIError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+
+
+class ErrorResponse(BaseModel):
+    """TGI's error body (the OpenAPI schema's; the handlers build the dict directly)."""
+
+    error: str
+    error_type: str
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: OpenAIError
+
+
+_STATUS_TEXT = {
+    400: "the request cannot be served as sent",
+    401: "no or a wrong API key",
+    404: "no such model",
+    422: "the request cannot be served as sent",
+    424: "the generation failed in the engine",
+    429: "overloaded: past the concurrency and queue limits (Retry-After)",
+    500: "an unexpected error",
+    503: "the engine is not running, the server drains, or the request waited too long",
+    "default": "any other error",
+}
+
+
+def documented(*statuses: int | str, openai: bool = False) -> dict:
+    """OpenAPI ``responses`` for these error statuses, in the route's error shape."""
+    model = OpenAIErrorResponse if openai else ErrorResponse
+    return {s: {"model": model, "description": _STATUS_TEXT[s]} for s in statuses}
 
 
 def error_body(message: str, error_type: str) -> dict[str, str]:
@@ -144,6 +184,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     path, status = request.url.path, exc.status_code
+    if status == 400:  # FastAPI could not read the body (e.g. not UTF-8): a bad request, 422
+        return error_response(path, 422, str(exc.detail), "validation")
     return error_response(path, status, str(exc.detail), "http", headers=exc.headers)
 
 

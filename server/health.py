@@ -14,12 +14,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from flashserve.async_llm import AsyncLLM
-from server.errors import APIError
+from server.errors import APIError, documented
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses=documented(503))
 async def health(request: Request) -> Response:
     reason = _dead_reason(request)
     if reason is not None:
@@ -27,7 +27,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/ready")
+@router.get("/ready", response_class=Response, responses=documented(503))
 async def ready(request: Request) -> Response:
     state = request.app.state
     if not getattr(state, "ready", False):

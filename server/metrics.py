@@ -138,7 +138,16 @@ def _template_regex(template: str) -> re.Pattern[str]:
     return re.compile("".join(".+" if p.startswith("{") else re.escape(p) for p in parts))
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus' text format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def metrics(request: Request) -> Response:
     body = generate_latest(request.app.state.metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from flashserve.async_llm import AsyncLLM
 from flashserve.outputs import RequestOutput, TokenOutput
 from flashserve.sampling_params import SamplingParams
-from server.errors import APIError, openai_error_body
+from server.errors import APIError, documented, openai_error_body
 from server.openai_output import (
     Choice,
     chat_logprobs,
@@ -48,12 +48,14 @@ from server.openai_schemas import (
     ParamError,
     Usage,
 )
-from server.tgi import _collect, _engine, _unless_disconnected
+from server.tgi import STREAM, _collect, _engine, _unless_disconnected
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 _STARTED = int(time.time())
 Streams = list[AsyncGenerator[RequestOutput, None]]
+# OpenAI answers 400 where TGI says 422; "default": any other error, in OpenAI's shape
+_ERRORS = documented(400, 401, 424, 429, 500, 503, "default", openai=True)
 
 
 @dataclass
@@ -67,12 +69,13 @@ class _Run:
     streams: Streams
 
 
-@router.get("/models")
+@router.get("/models", responses=documented(401, 503, openai=True))
 async def models(request: Request) -> ModelList:
     return ModelList(data=[_card(request.app.state.llm)])
 
 
-@router.get("/models/{model_id:path}")
+@router.get("/models/{model_id:path}", responses=documented(401, 404, 503, "default",
+                                                                openai=True))  # fmt: skip
 async def model(model_id: str, request: Request) -> ModelCard:
     card = _card(request.app.state.llm)
     if model_id != card.id:
@@ -81,7 +84,7 @@ async def model(model_id: str, request: Request) -> ModelCard:
     return card
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=CompletionResponse, responses={**STREAM, **_ERRORS})
 async def completions(
     body: CompletionRequest, request: Request
 ) -> CompletionResponse | StreamingResponse:
@@ -117,7 +120,7 @@ async def completions(
                               usage=usage)  # fmt: skip
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=ChatResponse, responses={**STREAM, **_ERRORS})
 async def chat_completions(body: ChatRequest, request: Request) -> ChatResponse | StreamingResponse:
     llm = _engine(request)
     with _validating():

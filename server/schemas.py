@@ -131,8 +131,9 @@ class GenerateResponse(BaseModel):
     details: Details | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_missing_details(self, handler: SerializerFunctionWrapHandler) -> dict:
-        """TGI leaves ``details`` out (rather than null) unless they were asked for."""
+    def _omit_missing_details(self, handler: SerializerFunctionWrapHandler):
+        """TGI leaves ``details`` out (rather than null) unless they were asked for. (No return
+        annotation: the OpenAPI schema then shows the model's fields, not a bare object.)"""
         data = handler(self)
         if self.details is None:
             data.pop("details", None)

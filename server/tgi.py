@@ -9,14 +9,14 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 import flashserve
 from flashserve.async_llm import AsyncLLM
 from flashserve.outputs import RequestOutput, TokenOutput
 from flashserve.sampling_params import SamplingParams
-from server.errors import APIError, error_body, validating
+from server.errors import APIError, documented, error_body, validating
 from server.schemas import (
     CompatGenerateRequest,
     Details,
@@ -32,9 +32,15 @@ from server.schemas import (
 logger = logging.getLogger(__name__)
 router = APIRouter()
 T = TypeVar("T")
+# for the OpenAPI schema: a 200 that is (or, with ``stream``, may be) Server-Sent Events, each
+# event described by ``itemSchema`` (OpenAPI 3.2's way, as FastAPI's own SSE routes do)
+_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+STREAM = {200: {"description": "the answer; streamed as Server-Sent Events when asked to",
+                "content": {"text/event-stream": {"itemSchema": _EVENT}}}}  # fmt: skip
+GENERATE_ERRORS = (401, 422, 429, 500, 503)
 
 
-@router.get("/info")
+@router.get("/info", responses=documented(401, 503))
 async def info(request: Request) -> Info:
     llm: AsyncLLM = request.app.state.llm
     return Info(
@@ -48,7 +54,7 @@ async def info(request: Request) -> Info:
     )
 
 
-@router.post("/generate")
+@router.post("/generate", responses=documented(*GENERATE_ERRORS, 424))
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     llm = _engine(request)
     prompt, params = _prepare(request, llm, body)
@@ -71,7 +77,12 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     return GenerateResponse(generated_text=text, details=details)
 
 
-@router.post("/generate_stream")
+# response_class=Response (no media type): the 200 is documented by STREAM alone
+@router.post(
+    "/generate_stream",
+    response_class=Response,
+    responses={**STREAM, **documented(*GENERATE_ERRORS)},
+)
 async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
     llm = _engine(request)
     prompt, params = _prepare(request, llm, body)
@@ -80,7 +91,11 @@ async def generate_stream(body: GenerateRequest, request: Request) -> StreamingR
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-@router.post("/", response_model=None)
+@router.post(
+    "/",
+    response_model=list[GenerateResponse],
+    responses={**STREAM, **documented(*GENERATE_ERRORS, 424)},
+)
 async def compat_generate(
     body: CompatGenerateRequest, request: Request
 ) -> list[GenerateResponse] | StreamingResponse:
