@@ -219,3 +219,18 @@ def test_bench_serve_counts_failures_by_status(url, tmp_path):
     s = res["summary"]
     assert (s["completed"], s["failed"], s["failures"]) == (0, 3, {"http_422": 3})
     assert all("validation" in r["error"] for r in res["requests"])
+
+
+def test_bench_decode_profile_writes_trace_and_table(tmp_path):
+    out, prof = tmp_path / "decode.json", tmp_path / "prof"
+    argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu", "--context", "24",
+            "--batch", "2", "--steps", "3", "--no-peer", "--profile", str(prof),
+            "--json", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    summary = point["profile"]
+    trace = json.loads((prof / "decode-24x2.json").read_text())
+    assert trace["traceEvents"], "an empty trace"
+    table = (prof / "decode-24x2.txt").read_text()
+    assert table.startswith("8 decode steps") and "aten::" in table
+    assert summary["wall_us_per_step"] > 0 and summary["table"].endswith("decode-24x2.txt")

@@ -22,6 +22,7 @@ import torch
 from flashserve import cli
 from flashserve.bench import decode_ours as ours_mod
 from flashserve.bench.hardware import copy_bandwidth
+from flashserve.bench.profiling import PROFILE_STEPS
 from flashserve.bench.report import (
     progress,
     require_matplotlib,
@@ -66,6 +67,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--peer-compile",
         action="store_true",
         help="run the peer's decode through torch.compile (reduce-overhead)",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after each point's timed steps, profile a few more with the torch profiler: "
+        "a Chrome trace and a table of the busiest ops per point in DIR",
     )
     parser.add_argument("--json", metavar="FILE", help="write every result to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="plot tokens/s against context")
@@ -131,7 +138,8 @@ def _engine_config(args: argparse.Namespace):
         args.max_num_seqs = max(args.batch)
     config = cli.engine_config_from_args(args)
     grid = list(itertools.product(args.context, args.batch))
-    need = {(c, b): c + ours_mod.new_tokens_needed(config.max_num_batched_tokens, c, b, args.steps)
+    need = {(c, b): c + ours_mod.new_tokens_needed(config.max_num_batched_tokens, c, b,
+                                                   _our_steps(args))
             for c, b in grid}  # fmt: skip
     if args.max_model_len is None:  # long enough for every point (the KV pool may cap it)
         config.max_model_len = max(need.values())
@@ -139,6 +147,11 @@ def _engine_config(args: argparse.Namespace):
         bs = config.block_size
         config.max_kv_tokens = max(b * -(-n // bs) * bs for (_, b), n in need.items())
     return config
+
+
+def _our_steps(args: argparse.Namespace) -> int:
+    """Decode steps each of our points runs after warm-up: the timed ones, then the profiled."""
+    return args.steps + (PROFILE_STEPS if getattr(args, "profile", None) else 0)
 
 
 def _run_ours(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -150,11 +163,15 @@ def _run_ours(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
     grid = list(itertools.product(args.context, args.batch))
     for ctx, bsz in progress(grid, "flashserve", not args.no_progress):
         point: dict[str, Any] = {"context": ctx, "batch": bsz, "status": "ok"}
-        point.update(note=ours_mod.why_not(engine, ctx, bsz, args.steps), ours=None)
+        point.update(note=ours_mod.why_not(engine, ctx, bsz, _our_steps(args)), ours=None)
         point.update(peer=None, peer_note=None)
         if point["note"] is None:
             try:
-                point["ours"] = vars(ours_mod.measure_ours(engine, ctx, bsz, args.steps, gen))
+                steps = _our_steps(args)
+                timing, prof = ours_mod.measure_ours(engine, ctx, bsz, steps, gen, args.profile)
+                point["ours"] = vars(timing)
+                if prof is not None:
+                    point["profile"] = prof
             except torch.cuda.OutOfMemoryError:
                 point["note"] = "out of memory"
         if point["note"] is not None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashserve.bench.hardware import peak_memory, reset_peak_memory, synchronize
+from flashserve.bench.profiling import PROFILE_STEPS, profile_steps
 from flashserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the model stack loads when the benchmark runs, not with the CLI
@@ -54,13 +55,21 @@ def why_not(engine: LLMEngine, context: int, batch: int, steps: int) -> str | No
 
 
 def measure_ours(
-    engine: LLMEngine, context: int, batch: int, steps: int, gen: torch.Generator
-) -> StepTiming:
+    engine: LLMEngine,
+    context: int,
+    batch: int,
+    steps: int,
+    gen: torch.Generator,
+    profile_dir: str | None = None,
+) -> tuple[StepTiming, dict | None]:
     """Prefill ``batch`` random prompts of ``context`` tokens (not timed), then time ``steps``
-    decode steps of the whole batch. The requests are aborted at the end."""
+    decode steps of the whole batch, then (with ``profile_dir``) profile a few more: the
+    timing and the profile's summary. The requests are aborted at the end. ``steps`` must
+    include the profiled steps."""
     device = engine.runner.device
     reset_peak_memory(device)
     new = new_tokens_needed(engine.config.max_num_batched_tokens, context, batch, steps)
+    timed = steps - PROFILE_STEPS if profile_dir else steps
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch, context), generator=gen).tolist()
@@ -72,7 +81,10 @@ def measure_ours(
             engine.step()
         for _ in range(WARMUP_STEPS):
             engine.step()
-        return _time_steps(engine, reqs, steps, device)
+        timing = _time_steps(engine, reqs, timed, device)
+        if not profile_dir:
+            return timing, None
+        return timing, profile_steps(engine, device, profile_dir, f"decode-{context}x{batch}")
     finally:
         for req in reqs:
             engine.abort(req.request_id)
