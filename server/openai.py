@@ -48,7 +48,7 @@ from server.openai_schemas import (
     ParamError,
     Usage,
 )
-from server.tgi import STREAM, _collect, _engine, _unless_disconnected
+from server.routing import STREAM, collect, engine_of, unless_disconnected
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -88,7 +88,7 @@ async def model(model_id: str, request: Request) -> ModelCard:
 async def completions(
     body: CompletionRequest, request: Request
 ) -> CompletionResponse | StreamingResponse:
-    llm = _engine(request)
+    llm = engine_of(request)
     with _validating():
         body.check()
         prompts = body.prompts()
@@ -122,7 +122,7 @@ async def completions(
 
 @router.post("/chat/completions", response_model=ChatResponse, responses={**STREAM, **_ERRORS})
 async def chat_completions(body: ChatRequest, request: Request) -> ChatResponse | StreamingResponse:
-    llm = _engine(request)
+    llm = engine_of(request)
     with _validating():
         body.check()
         ids = await _chat_prompt(llm, body)
@@ -206,7 +206,7 @@ async def _start(
     tasks = [asyncio.ensure_future(anext(s)) for s in streams]
     try:
         with _validating("prompt" if kind == "cmpl" else "messages"):
-            firsts = await _unless_disconnected(request, asyncio.gather(*tasks))
+            firsts = await unless_disconnected(request, asyncio.gather(*tasks))
     except BaseException:
         await close_all(streams, tasks)
         raise
@@ -216,9 +216,9 @@ async def _start(
 
 async def _finish(request: Request, run: _Run) -> list[tuple[list[TokenOutput], RequestOutput]]:
     """Every choice's tokens and last output; a 424 if the engine failed one."""
-    work = asyncio.gather(*(_collect(f, s) for f, s in zip(run.firsts, run.streams)))
+    work = asyncio.gather(*(collect(f, s) for f, s in zip(run.firsts, run.streams)))
     try:
-        results = await _unless_disconnected(request, work)
+        results = await unless_disconnected(request, work)
     finally:
         await close_all(run.streams)
     for _, last in results:

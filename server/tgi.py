@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
@@ -17,6 +15,7 @@ from flashserve.async_llm import AsyncLLM
 from flashserve.outputs import RequestOutput, TokenOutput
 from flashserve.sampling_params import SamplingParams
 from server.errors import APIError, documented, error_body, validating
+from server.routing import STREAM, collect, engine_of, unless_disconnected
 from server.schemas import (
     CompatGenerateRequest,
     Details,
@@ -31,12 +30,6 @@ from server.schemas import (
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-T = TypeVar("T")
-# for the OpenAPI schema: a 200 that is (or, with ``stream``, may be) Server-Sent Events, each
-# event described by ``itemSchema`` (OpenAPI 3.2's way, as FastAPI's own SSE routes do)
-_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
-STREAM = {200: {"description": "the answer; streamed as Server-Sent Events when asked to",
-                "content": {"text/event-stream": {"itemSchema": _EVENT}}}}  # fmt: skip
 GENERATE_ERRORS = (401, 422, 429, 500, 503)
 
 
@@ -56,11 +49,11 @@ async def info(request: Request) -> Info:
 
 @router.post("/generate", responses=documented(*GENERATE_ERRORS, 424))
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
-    llm = _engine(request)
+    llm = engine_of(request)
     prompt, params = _prepare(request, llm, body)
     first, outputs = await _start(request, llm, prompt, params)
     try:
-        tokens, last = await _unless_disconnected(request, _collect(first, outputs))
+        tokens, last = await unless_disconnected(request, collect(first, outputs))
     finally:
         await outputs.aclose()
     if last.finish_reason == "error":
@@ -84,7 +77,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     responses={**STREAM, **documented(*GENERATE_ERRORS)},
 )
 async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
-    llm = _engine(request)
+    llm = engine_of(request)
     prompt, params = _prepare(request, llm, body)
     first, outputs = await _start(request, llm, prompt, params)
     events = _events(body, first, outputs)
@@ -108,13 +101,6 @@ async def compat_generate(
 
 
 # ---- helpers -------------------------------------------------------------------------------
-
-
-def _engine(request: Request) -> AsyncLLM:
-    llm: AsyncLLM = request.app.state.llm
-    if not llm.is_running:
-        raise APIError(503, "the engine is not running", "unavailable")
-    return llm
 
 
 def _prepare(
@@ -157,21 +143,11 @@ async def _start(
     outputs = llm.generate(prompt, params)
     try:
         with validating():
-            first = await _unless_disconnected(request, anext(outputs))
+            first = await unless_disconnected(request, anext(outputs))
     except BaseException:
         await outputs.aclose()
         raise
     return first, outputs
-
-
-async def _collect(
-    first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
-) -> tuple[list[TokenOutput], RequestOutput]:
-    tokens, last = list(first.new_tokens), first
-    if not first.finished:
-        async for last in outputs:
-            tokens.extend(last.new_tokens)
-    return tokens, last
 
 
 async def _events(
@@ -228,25 +204,3 @@ def _token(tok: TokenOutput) -> Token:
 
 def _full_text(body: GenerateRequest, generated: str) -> str:
     return body.inputs + generated if body.parameters.return_full_text else generated
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it (which aborts the request in
-    the engine) and answer 499."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        await asyncio.gather(task, return_exceptions=True)
-        raise APIError(499, "the client closed the request", "client_closed")
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
