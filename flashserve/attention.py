@@ -31,24 +31,37 @@ class AttentionMetadata:
     max_prefill_seq_len: int
 
 
+# the operations a backend provides, all with the signatures of ``kernels.reference``
+BACKEND_OPS = (
+    "rms_norm",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rope_write_kv",
+    "decode_attention",
+    "prefill_attention",
+)
+
+
 def load_backend(name: str) -> SimpleNamespace:
-    """The three attention operations of a backend: write_kv, decode_attention,
-    prefill_attention, all with the signatures of ``kernels.reference``."""
+    """A backend's operations (``BACKEND_OPS``): ``torch`` is ``kernels.reference``; ``triton``
+    runs attention on its kernels and fuses the small operations around it (RMSNorm with the
+    residual add, RoPE with the KV store, SiLU with the multiply), one launch each."""
     if name == "torch":
-        from kernels import reference as ops
+        from kernels import reference
 
-        return SimpleNamespace(
-            write_kv=ops.write_kv,
-            decode_attention=ops.decode_attention,
-            prefill_attention=ops.prefill_attention,
-        )
+        return SimpleNamespace(**{op: getattr(reference, op) for op in BACKEND_OPS})
     if name == "triton":
+        from kernels.activation import silu_and_mul
         from kernels.decode import decode_attention
-        from kernels.kv_write import write_kv
+        from kernels.norm import add_rms_norm, rms_norm
         from kernels.prefill import prefill_attention
+        from kernels.rope import rope_write_kv
 
         return SimpleNamespace(
-            write_kv=write_kv,
+            rms_norm=rms_norm,
+            add_rms_norm=add_rms_norm,
+            silu_and_mul=silu_and_mul,
+            rope_write_kv=rope_write_kv,
             decode_attention=decode_attention,
             prefill_attention=prefill_attention,
         )
@@ -58,20 +71,25 @@ def load_backend(name: str) -> SimpleNamespace:
 class PagedAttention:
     """Attention of one layer over its paged KV cache, with the backend chosen at start-up."""
 
-    def __init__(self, backend: SimpleNamespace, scale: float):
+    def __init__(self, backend: SimpleNamespace, num_heads: int, num_kv_heads: int, scale: float):
         self.ops = backend
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
         self.scale = scale
 
     def __call__(
         self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], the fused projection before RoPE
+        positions: torch.Tensor,  # [T] int64
+        rope: tuple[torch.Tensor, torch.Tensor],  # the model's cos, sin tables, [P, D/2] each
         k_cache: torch.Tensor,  # [N, BS, Hkv, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq, D]
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = self.ops.rope_write_kv(
+            qkv, positions, *rope, k_cache, v_cache, meta.slot_mapping,
+            self.num_heads, self.num_kv_heads,
+        )  # fmt: skip
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:

@@ -1,7 +1,10 @@
-"""Plain-torch reference attention over the paged KV cache.
+"""Plain-torch reference of the kernels: attention over the paged KV cache, and the small
+per-layer operations the Triton backend fuses (RMSNorm with the residual add, RoPE with the KV
+store, SiLU-and-multiply).
 
-This is both the ``torch`` attention backend (CPU and CUDA) and the ground truth the Triton
-kernels are tested against (call it on float64 tensors for that).
+This is both the ``torch`` backend (CPU and CUDA) and the ground truth the Triton kernels are
+tested against (call the attention on float64 tensors for that). The per-layer operations round
+exactly where Hugging Face transformers' Llama does, so the torch backend reproduces its logits.
 
 Cache layout, shared with the Triton kernels: one pool per layer for K and one for V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a sequence lives in block
@@ -16,6 +19,68 @@ scaled scores, ``[tokens, num_q_heads]`` in float32 (float64 for float64 inputs)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [T, H]
+    """``weight * x / sqrt(mean(x^2) + eps)``: normalised in float32, cast back to ``x``'s dtype,
+    then scaled by ``weight``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, H], a sublayer's output
+    residual: torch.Tensor,  # [T, H], the residual stream before it
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + x), residual + x
+    """The residual add of a sublayer and the RMSNorm of the next one."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """SwiGLU's gate: ``silu(x[:, :I]) * x[:, I:]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rope(
+    x: torch.Tensor,  # [T, H, D]
+    cos: torch.Tensor,  # [T, 1, D/2]
+    sin: torch.Tensor,  # [T, 1, D/2]
+) -> torch.Tensor:  # [T, H, D]
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` (the two halves of
+    the head dim rotate together, as in Hugging Face's Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], a fused projection's output
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [P, D/2], the model's RoPE table
+    sin: torch.Tensor,  # [P, D/2]
+    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 marks a padding token that is not stored
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # [T, Hq, D], the rotated queries
+    """Rotate the queries and keys of a step by their positions and store K and V in the cache."""
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2]
+    q = apply_rope(q.view(t, num_heads, d), c, s)
+    k = apply_rope(k.view(t, num_kv_heads, d), c, s)
+    write_kv(k, v.view(t, num_kv_heads, d), k_cache, v_cache, slot_mapping)
+    return q
 
 
 def write_kv(

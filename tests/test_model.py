@@ -27,7 +27,8 @@ from flashserve.attention import load_backend
 from flashserve.model_config import ModelConfig
 from flashserve.models import get_model_class
 from flashserve.models.llama import LlamaForCausalLM, RMSNorm, build_model, init_random
-from flashserve.models.rope import RotaryEmbedding, apply_rope
+from flashserve.models.rope import RotaryEmbedding
+from kernels.reference import rope_write_kv
 
 PROMPT_LENS = [1, 17, 40, 5]  # the one-token prompt runs as a decode token
 TORCH = load_backend("torch")
@@ -159,10 +160,18 @@ def test_rope_equals_transformers(rope, dtype):
     q_hf, k_hf = hf_llama.apply_rotary_pos_emb(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_hf, sin_hf
     )  # [1, H, T, D]
-    cos, sin = RotaryEmbedding(config).to(dtype)(pos)
-    for ours, ref in ((apply_rope(q, cos, sin), q_hf), (apply_rope(k, cos, sin), k_hf)):
+    # ours: RoPE fused with the KV store, on a fused qkv row, keys read back from the cache
+    table = RotaryEmbedding(config).to(dtype)
+    v = torch.randn(11, 2, 16).to(dtype)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    k_cache, v_cache = torch.zeros(2, 3, 4, 2, 16, dtype=dtype)
+    slots = torch.randperm(12)[:11]
+    q_ours = rope_write_kv(qkv, pos, table.cos, table.sin, k_cache, v_cache, slots, 4, 2)
+    k_ours = k_cache.view(-1, 2, 16)[slots]
+    for ours, ref in ((q_ours, q_hf), (k_ours, k_hf)):
         ref = ref[0].transpose(0, 1)
         assert torch.equal(ours, ref), describe_diff(ours, ref)
+    assert torch.equal(v_cache.view(-1, 2, 16)[slots], v)
 
 
 def test_load_weights_names_missing_unexpected_and_misshapen():

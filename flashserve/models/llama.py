@@ -3,6 +3,13 @@
 Tokens of a step are flattened to ``[T]``; every layer reads the same ``AttentionMetadata``.
 q/k/v share one Linear and gate/up share another; ``load_weights`` takes Hugging Face tensor
 names and copies each into its slice of the fused weight.
+
+The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSNorm adds the
+previous sublayer's output to the residual first (``add_rms_norm``), so the backend can do both
+in one kernel. The sums are the ones Hugging Face computes, in the same order and dtype. The
+small operations (norms, RoPE with the KV store, SiLU-and-multiply) come from the attention
+backend (``flashserve.attention.load_backend``): the torch one rounds exactly as Hugging Face
+does; the Triton one fuses them.
 """
 
 from __future__ import annotations
@@ -14,26 +21,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashserve.attention import AttentionMetadata, PagedAttention
+from flashserve.attention import AttentionMetadata, PagedAttention, load_backend
 from flashserve.model_config import ModelConfig
-from flashserve.models.rope import RotaryEmbedding, apply_rope
+from flashserve.models.rope import RotaryEmbedding
 
 # checkpoint tensors that carry no weights of ours
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class RMSNorm(nn.Module):
-    """``w * x / sqrt(mean(x^2) + eps)``, normalised in float32 and cast back before ``w``."""
+    """``w * x / sqrt(mean(x^2) + eps)``, normalised in float32 and cast back before ``w``;
+    with ``residual``, normalises ``residual + x`` and returns that sum too."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, backend: types.SimpleNamespace | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = backend or load_backend("torch")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H] (and the new residual)
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -41,63 +52,62 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.sizes = [config.q_size, config.kv_size, config.kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), config.attention_bias)
+        sizes = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, sizes, config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, config.attention_out_bias)
-        self.attn = PagedAttention(backend, self.head_dim**-0.5)
+        self.attn = PagedAttention(
+            backend, config.num_attention_heads, config.num_key_value_heads, config.head_dim**-0.5
+        )
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,  # [T, 1, D/2]
+        positions: torch.Tensor,  # [T] int64
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin tables [P, D/2]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D], a strided view
-        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq, D]
-        return self.o_proj(out.view(t, -1))
+        out = self.attn(self.qkv_proj(x), positions, rope, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.view(x.shape[0], -1))  # out: [T, Hq, D]
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.ops = backend
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.self_attn = LlamaAttention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.mlp = LlamaMLP(config, backend)
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,  # [T, 1, D/2]
+        x: torch.Tensor,  # [T, hidden]: the previous layer's MLP output, or the embeddings
+        residual: torch.Tensor | None,  # [T, hidden]; None in the first layer
+        positions: torch.Tensor,  # [T] int64
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin tables [P, D/2]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,7 +117,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.rotary_emb = RotaryEmbedding(config)
 
 
@@ -130,11 +140,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [N, BS, Hkv, D] each
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        cos, sin = self.model.rotary_emb(positions)  # [T, 1, D/2] each
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = (self.model.rotary_emb.cos, self.model.rotary_emb.sin)
+        x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, rope, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def ensure_positions(self, num_positions: int) -> None:
         """Grow the RoPE cache so positions up to ``num_positions - 1`` are valid."""

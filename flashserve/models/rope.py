@@ -1,4 +1,5 @@
-"""Rotary position embedding, Hugging Face's rotate-half convention, with a cos/sin cache."""
+"""Rotary position embedding: the cos/sin cache (the rotation itself is the backend's
+``rope_write_kv``, Hugging Face's rotate-half convention)."""
 
 from __future__ import annotations
 
@@ -70,17 +71,3 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
         self.cos.copy_(freqs.cos())
         self.sin.copy_(freqs.sin())
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, 1, D/2] (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(
-    x: torch.Tensor,  # [T, H, D]
-    cos: torch.Tensor,  # [T, 1, D/2]
-    sin: torch.Tensor,  # [T, 1, D/2]
-) -> torch.Tensor:  # [T, H, D]
-    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,97 @@
+"""RMSNorm, alone or fused with the residual add before it (Triton).
+
+One program per token row. The rounding follows ``kernels.reference``: the residual sum is
+rounded to the activations' dtype (it is the residual stream), the normalised row is computed
+in float32 and rounded to that dtype, then multiplied by the weight and rounded again. Only the
+order of the float32 sum of squares differs from torch, which moves a result by at most one
+unit in the last place of the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X,  # [T, H]
+    Res,  # [T, H], the residual stream (HAS_RES)
+    W,  # [H]
+    Out,  # [T, H]
+    ResOut,  # [T, H], Res + X (HAS_RES)
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    H: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(Res + row * stride_r + offs, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(ResOut.dtype.element_ty)
+        tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    y = (xf * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + offs, (w * y).to(Out.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps, out, res_out) -> None:
+    t, h = x.shape
+    if t == 0:
+        return
+    block = triton.next_power_of_2(h)
+    has_res = residual is not None
+    _rms_norm_kernel[(t,)](
+        x, residual if has_res else x, weight, out, res_out if has_res else out,
+        x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
+        res_out.stride(0) if has_res else 0, eps,
+        H=h, HAS_RES=has_res, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+    )  # fmt: skip
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"x must be [T, H] and weight [H]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if x.stride(1) != 1:
+        raise ValueError("the hidden dim of x must be contiguous")
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [T, H], in the dtype ``weight * x`` has in torch
+    """``kernels.reference.rms_norm`` in one kernel."""
+    _check(x, weight)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, H], a sublayer's output
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + x), residual + x
+    """``kernels.reference.add_rms_norm`` in one kernel."""
+    _check(x, weight)
+    if residual.shape != x.shape or residual.stride(1) != 1:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    res_out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
+                          device=x.device)  # fmt: skip
+    dt = torch.promote_types(res_out.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=dt, device=x.device)
+    _launch(x, residual, weight, eps, out, res_out)
+    return out, res_out

@@ -1,0 +1,138 @@
+"""Rotary position embedding of a step's queries and keys, fused with the KV store (Triton).
+
+One program per token reads its row of the fused QKV projection, rotates the query and key heads
+by the token's position (``x * cos + rotate_half(x) * sin``, the two halves of the head dim
+rotating together), writes the rotated queries out, and stores the rotated keys and the values
+in the paged cache at the token's slot (-1: a CUDA-graph padding token, not stored). Products
+and sums are rounded to the activations' dtype where torch's elementwise version rounds, so the
+result equals ``kernels.reference.rope_write_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_write import _pdl_trigger
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, DT: tl.constexpr):
+    """(x1 * c - x2 * s, x2 * c + x1 * s), each product and sum rounded to DT."""
+    a = (x1 * c).to(DT).to(tl.float32)
+    b = (x2 * s).to(DT).to(tl.float32)
+    e = (x2 * c).to(DT).to(tl.float32)
+    f = (x1 * s).to(DT).to(tl.float32)
+    return (a - b).to(DT), (e + f).to(DT)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    QKV,  # [T, (Hq + 2 Hkv) * D]
+    Pos,  # [T] int64
+    Cos,  # [P, D/2]
+    Sin,  # [P, D/2]
+    QOut,  # [T, Hq, D]
+    KCache,  # [N, BS, Hkv, D]
+    VCache,  # [N, BS, Hkv, D]
+    Slots,  # [T] int64
+    stride_t,
+    stride_qt,
+    stride_qh,
+    stride_cos,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,  # D / 2
+    PAGE: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # let a PDL-launched attention kernel start; it waits for this grid to finish
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    c = tl.load(Cos + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    row = QKV + t * stride_t
+
+    offs_h = tl.arange(0, BLOCK_HQ)
+    mask = (offs_h[:, None] < HQ) & d_mask[None, :]  # [BHQ, BHALF]
+    src = row + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(x1, x2, c, s, QOut.dtype.element_ty)
+    dst = QOut + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+
+    slot = tl.load(Slots + t)
+    if slot >= 0:
+        offs_g = tl.arange(0, BLOCK_HKV)
+        mask = (offs_g[:, None] < HKV) & d_mask[None, :]  # [BHKV, BHALF]
+        src = row + HQ * 2 * HALF + offs_g[:, None] * (2 * HALF) + offs_d[None, :]
+        k1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        k2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        v1 = tl.load(src + HKV * 2 * HALF, mask=mask, other=0.0)
+        v2 = tl.load(src + HKV * 2 * HALF + HALF, mask=mask, other=0.0)
+        k1, k2 = _rotate(k1, k2, c, s, QOut.dtype.element_ty)
+        cdt = KCache.dtype.element_ty
+        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        dst = dst + offs_g[:, None] * stride_ch + offs_d[None, :]
+        tl.store(KCache + dst, k1.to(cdt), mask=mask)
+        tl.store(KCache + dst + HALF, k2.to(cdt), mask=mask)
+        tl.store(VCache + dst, v1.to(VCache.dtype.element_ty), mask=mask)
+        tl.store(VCache + dst + HALF, v2.to(VCache.dtype.element_ty), mask=mask)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [P, D/2]
+    sin: torch.Tensor,  # [P, D/2]
+    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 marks a padding token that is not stored
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # [T, Hq, D]
+    """``kernels.reference.rope_write_kv`` in one kernel (see the module doc)."""
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, {(num_heads + 2 * num_kv_heads) * d}] with "
+                         f"contiguous rows; got {tuple(qkv.shape)}")  # fmt: skip
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dim() != 4 or k_cache.shape[2] != num_kv_heads or k_cache.stride(3) != 1:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold [N, BS, {num_kv_heads}, "
+                         f"{d}] pages with a contiguous head dim")  # fmt: skip
+    if d % 2 or cos.shape[1:] != (d // 2,) or sin.shape != cos.shape or cos.stride(1) != 1:
+        raise ValueError(f"cos and sin must be [P, {d // 2}]; got {tuple(cos.shape)}")
+    if positions.shape != (t,) or slot_mapping.shape != (t,):
+        raise ValueError(f"positions and slot_mapping must be [{t}]")
+    page = k_cache.shape[1]
+    if page & (page - 1):
+        raise ValueError(f"page size {page} must be a power of two")
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    _rope_write_kv_kernel[(t,)](
+        qkv, positions, cos, sin, q, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, PAGE=page,
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(d // 2),
+        PDL=_pdl_trigger(qkv.device),
+        num_warps=4 if num_heads * d >= 2048 else 2,
+    )  # fmt: skip
+    return q
