@@ -5,8 +5,9 @@ steps while there is work, and hands each output to the asyncio loop of the requ
 for it. Callers never touch engine state directly.
 
 For the server's health checks and metrics it keeps a heartbeat (the engine thread stamps it on
-every loop iteration, idle waits included) and reports each request's timings
-(``RequestStats``) to the callbacks in ``on_finished``, on the request's own event loop.
+every loop iteration, idle waits included), reports each request's timings (``RequestStats``)
+to the callbacks in ``on_finished``, on the request's own event loop, and reads the memory of
+its device (``device_memory``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from flashserve.config import EngineConfig
 from flashserve.llm_engine import LLMEngine, Request
@@ -96,6 +99,14 @@ class AsyncLLM:
         if busy and age > stall_timeout:
             return f"the engine loop made no progress for {age:.0f} s"
         return None
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(allocated, reserved) bytes of torch's caching allocator on the engine's CUDA
+        device; None on a CPU. Safe from any thread: it reads the allocator's counters."""
+        if not self.config.is_cuda:
+            return None
+        device = torch.device(self.config.device)
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -76,20 +76,20 @@ def _rope_write_kv_kernel(
     slot = tl.load(Slots + t)
     if slot >= 0:
         offs_g = tl.arange(0, BLOCK_HKV)
-        mask = (offs_g[:, None] < HKV) & d_mask[None, :]  # [BHKV, BHALF]
-        src = row + HQ * 2 * HALF + offs_g[:, None] * (2 * HALF) + offs_d[None, :]
-        k1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        k2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        v1 = tl.load(src + HKV * 2 * HALF, mask=mask, other=0.0)
-        v2 = tl.load(src + HKV * 2 * HALF + HALF, mask=mask, other=0.0)
+        kv_mask = (offs_g[:, None] < HKV) & d_mask[None, :]  # [BHKV, BHALF]
+        k_src = row + HQ * 2 * HALF + offs_g[:, None] * (2 * HALF) + offs_d[None, :]
+        v_src = k_src + HKV * 2 * HALF
+        k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
+        k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+        v1 = tl.load(v_src, mask=kv_mask, other=0.0)
+        v2 = tl.load(v_src + HALF, mask=kv_mask, other=0.0)
         k1, k2 = _rotate(k1, k2, c, s, QOut.dtype.element_ty)
-        cdt = KCache.dtype.element_ty
-        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
-        dst = dst + offs_g[:, None] * stride_ch + offs_d[None, :]
-        tl.store(KCache + dst, k1.to(cdt), mask=mask)
-        tl.store(KCache + dst + HALF, k2.to(cdt), mask=mask)
-        tl.store(VCache + dst, v1.to(VCache.dtype.element_ty), mask=mask)
-        tl.store(VCache + dst + HALF, v2.to(VCache.dtype.element_ty), mask=mask)
+        page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
+        tl.store(KCache + c_off, k1.to(KCache.dtype.element_ty), mask=kv_mask)
+        tl.store(KCache + c_off + HALF, k2.to(KCache.dtype.element_ty), mask=kv_mask)
+        tl.store(VCache + c_off, v1.to(VCache.dtype.element_ty), mask=kv_mask)
+        tl.store(VCache + c_off + HALF, v2.to(VCache.dtype.element_ty), mask=kv_mask)
 
 
 def rope_write_kv(

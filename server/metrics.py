@@ -9,7 +9,12 @@
 - ``flashserve_aborted_requests_total``: requests that ended before their end (client gone);
 - read from the engine at scrape time: ``flashserve_num_requests_running``,
   ``flashserve_num_requests_waiting``, ``flashserve_kv_cache_usage_ratio`` and
-  ``flashserve_num_preemptions_total``.
+  ``flashserve_num_preemptions_total``;
+- memory, for soak runs: ``process_resident_memory_bytes`` and the other ``process_*`` series
+  of prometheus_client's process collector (Linux only: it reads /proc), and when the engine
+  runs on CUDA ``flashserve_gpu_memory_allocated_bytes`` and
+  ``flashserve_gpu_memory_reserved_bytes`` (torch's caching allocator on the engine's device).
+  On a CPU the GPU gauges are left out, not 0: a missing series is not a measured zero.
 
 Each OpenAI choice (``n``) is an engine request of its own and counts as one here.
 """
@@ -25,6 +30,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -58,6 +64,7 @@ class Metrics:
                              buckets=_LATENCY, registry=r)  # fmt: skip
         self.queue_time = Histogram("flashserve_request_queue_time_seconds", "wait for an "
                                     "admission slot", buckets=_LATENCY, registry=r)  # fmt: skip
+        ProcessCollector(registry=r)
         r.register(_EngineCollector(app))
 
     def observe(self, stats: RequestStats) -> None:
@@ -94,6 +101,15 @@ class _EngineCollector:
                                 value=blocks.usage())  # fmt: skip
         yield CounterMetricFamily("flashserve_num_preemptions", "sequences preempted",
                                   value=scheduler.num_preemptions)  # fmt: skip
+        memory = llm.device_memory()
+        if memory is not None:
+            allocated, reserved = memory
+            yield GaugeMetricFamily(
+                "flashserve_gpu_memory_allocated_bytes", "GPU memory in tensors", value=allocated
+            )
+            yield GaugeMetricFamily(
+                "flashserve_gpu_memory_reserved_bytes", "GPU memory held by torch", value=reserved
+            )
 
 
 class RequestCounter:

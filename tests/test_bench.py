@@ -11,7 +11,7 @@ import random
 
 import httpx
 import pytest
-from server_utils import server_process
+from server_utils import free_port, server_process
 
 from flashserve.bench.decode import parse_sizes
 from flashserve.bench.prompts import load_tokenizer, make_prompt, sample_lengths
@@ -219,6 +219,70 @@ def test_bench_serve_counts_failures_by_status(url, tmp_path):
     s = res["summary"]
     assert (s["completed"], s["failed"], s["failures"]) == (0, 3, {"http_422": 3})
     assert all("validation" in r["error"] for r in res["requests"])
+
+
+def test_bench_serve_duration_samples_server_metrics(url, tmp_path, capsys):
+    plot = _plot_args(tmp_path / "soak.png")
+    res = _serve(url, tmp_path, "--duration", "3", "--sample-metrics", "0.5", "--request-rate",
+                 "10", "--input-len", "20", "--output-len", "6", *plot)  # fmt: skip
+    _assert_png(plot)
+    s = res["summary"]
+    assert s["requests"] == s["completed"] > 5 and s["all_completed"]
+    assert 3 <= s["duration_s"] < 3 + res["latency_ms"]["e2e"]["p99"] / 1e3 + 1
+    m = res["server_metrics"]
+    assert (m["failed_scrapes"], m["error"]) == (0, None)
+    samples = m["samples"]
+    assert m["scrapes"] == len(samples) >= 6
+    ts = [x["t"] for x in samples]
+    assert ts == sorted(ts) and ts[0] < 0.5 and ts[-1] >= s["duration_s"]
+    for x in samples:  # on a CPU: no GPU gauges
+        assert set(x) == {"t", "resident_memory_bytes", "running", "waiting", "kv_cache_usage"}
+        assert x["resident_memory_bytes"] > 0
+    assert samples[-1]["running"] == 0  # the last sample comes after the run
+    assert set(m["memory"]) == {"resident_memory_bytes"}
+    rss = m["memory"]["resident_memory_bytes"]
+    assert _filled(rss) == [] and rss["max"] >= max(rss["first"], rss["last"])
+    assert 0.3 <= rss["warm_t"] < 1.5  # the first sample after 10% of the run
+    assert rss["drift_mib"] == pytest.approx((rss["last"] - rss["warm"]) / 2**20)
+    assert rss["drift_percent"] == pytest.approx(100 * (rss["last"] - rss["warm"]) / rss["warm"])
+    assert set(m["load"]) == {"running", "waiting", "kv_cache_usage"}
+    out = capsys.readouterr().out
+    assert "resident memory" in out and "drift %" in out
+    assert out.rstrip().endswith(f"ALL {s['requests']} REQUESTS COMPLETED: no failure")
+
+
+def test_bench_serve_duration_stops_sending(url, tmp_path):
+    # one ~0.3 s request at a time: after 2 s no new one starts, the one in flight finishes
+    res = _serve(url, tmp_path, "--duration", "2", "--concurrency", "1",
+                 "--input-len", "8", "--output-len", "60")  # fmt: skip
+    s, e2e = res["summary"], res["latency_ms"]["e2e"]
+    assert s["all_completed"] and s["cancelled"] == 0 and s["requests"] >= 2
+    assert 2 <= s["duration_s"] < 2 + e2e["p99"] / 1e3 + 0.5
+    # back to back: the requests' own time fills the run
+    assert sum(r["e2e_ms"] for r in res["requests"]) / 1e3 > 0.8 * s["duration_s"]
+
+
+def test_bench_serve_duration_excludes_num_requests(capsys):
+    argv = ["bench", "serve", "--url", "http://127.0.0.1:9", "--duration", "5",
+            "--num-requests", "10"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--duration or --num-requests" in capsys.readouterr().err
+
+
+def test_bench_serve_goes_on_when_metrics_cannot_be_read(url, tmp_path, monkeypatch, capsys):
+    from flashserve.bench import server_metrics
+
+    real_init = server_metrics.MetricsSampler.__init__
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setattr(server_metrics.MetricsSampler, "__init__",
+                        lambda self, _, period: real_init(self, nowhere, period))  # fmt: skip
+    res = _serve(url, tmp_path, "--num-requests", "3", "--sample-metrics", "0.2",
+                 "--input-len", "8", "--output-len", "4")  # fmt: skip
+    assert res["summary"]["completed"] == 3
+    m = res["server_metrics"]
+    assert m["samples"] == [] and m["memory"] == {} and m["failed_scrapes"] == m["scrapes"] >= 1
+    assert "ConnectError" in m["error"]
+    assert f"0 of {m['scrapes']} scrapes read" in capsys.readouterr().out
 
 
 def test_bench_decode_profile_writes_trace_and_table(tmp_path):

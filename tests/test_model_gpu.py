@@ -31,10 +31,16 @@ def _config(shape: str) -> ModelConfig:
     })  # fmt: skip
 
 
+def _slots(start: int, n: int, table: torch.Tensor) -> torch.Tensor:
+    """Cache slots of positions [start, start + n) through the (shuffled) block table."""
+    pos = torch.arange(start, start + n, device=table.device)
+    return table[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
+
+
 def _prefill_meta(start: int, n: int, table: torch.Tensor) -> AttentionMetadata:
     dev = table.device
     return AttentionMetadata(
-        slot_mapping=torch.arange(start, start + n, device=dev),
+        slot_mapping=_slots(start, n, table),
         num_decode_tokens=0, decode_seq_lens=None, decode_block_tables=None,
         max_decode_seq_len=0, num_prefill_tokens=n,
         prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
@@ -46,7 +52,7 @@ def _prefill_meta(start: int, n: int, table: torch.Tensor) -> AttentionMetadata:
 def _decode_meta(pos: int, table: torch.Tensor) -> AttentionMetadata:
     dev = table.device
     return AttentionMetadata(
-        slot_mapping=torch.tensor([pos], device=dev), num_decode_tokens=1,
+        slot_mapping=_slots(pos, 1, table), num_decode_tokens=1,
         decode_seq_lens=torch.tensor([pos + 1], dtype=torch.int32, device=dev),
         decode_block_tables=table, max_decode_seq_len=pos + 1, num_prefill_tokens=0,
         prefill_cu_seqlens_q=None, prefill_seq_lens=None, prefill_block_tables=None,

@@ -324,6 +324,31 @@ def test_metrics_move_by_the_right_amounts(guarded):
     assert after[("flashserve_num_preemptions_total", ())] == 0
 
 
+def test_metrics_show_resident_memory_and_no_gpu_gauges_on_cpu(guarded):
+    samples = _samples(guarded)
+    # the server process's, from prometheus_client's process collector (it reads /proc)
+    assert samples[("process_resident_memory_bytes", ())] > 10 * 2**20
+    assert not any(name.startswith("flashserve_gpu_memory") for name, _ in samples)
+
+
+def test_gpu_memory_gauges_read_the_engine_device():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.metrics import _EngineCollector
+
+    scheduler = SimpleNamespace(num_running=1, num_waiting=0, num_preemptions=0)
+    engine = SimpleNamespace(scheduler=scheduler, block_manager=SimpleNamespace(usage=lambda: 0.5))
+    llm = SimpleNamespace(engine=engine, device_memory=lambda: (3 * 2**30, 4 * 2**30))
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(SimpleNamespace(state=SimpleNamespace(llm=llm))))
+    text = generate_latest(registry).decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["flashserve_gpu_memory_allocated_bytes"] == 3 * 2**30
+    assert values["flashserve_gpu_memory_reserved_bytes"] == 4 * 2**30
+
+
 # ---- units: the admission queue and the settings -------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashserve.bench.report import pyplot
+from flashserve.bench.server_metrics import MIB
 
 
 def plot_decode(result: dict[str, Any], path: str) -> None:
@@ -38,13 +39,18 @@ def plot_decode(result: dict[str, Any], path: str) -> None:
 
 
 def plot_serve(result: dict[str, Any], path: str) -> None:
-    """Cumulative distributions of TTFT, inter-token latency and end-to-end latency."""
+    """Cumulative distributions of TTFT, inter-token latency and end-to-end latency; below
+    them the server's memory and load over time when they were sampled."""
     plt = pyplot()
     samples = result["samples_ms"]
     keys = [("ttft", "time to first token"), ("itl", "inter-token latency"),
             ("e2e", "end-to-end latency")]  # fmt: skip
-    fig, axes = plt.subplots(1, len(keys), figsize=(15, 4))
-    for ax, (key, title) in zip(axes, keys):
+    series = result.get("server_metrics", {}).get("samples")
+    rows = 2 if series else 1
+    fig, axes = plt.subplots(rows, len(keys), figsize=(15, 4 * rows), squeeze=False)
+    if series:
+        _plot_server_series(axes[1], series)
+    for ax, (key, title) in zip(axes[0], keys):
         xs = sorted(samples[key])
         if xs:
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
@@ -57,3 +63,23 @@ def plot_serve(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_server_series(axes, samples: list[dict[str, float]]) -> None:
+    """Resident memory, GPU memory (MiB) and requests running / waiting against time."""
+    panels = [("resident memory (MiB)", [("resident_memory_bytes", "resident")], MIB),
+              ("GPU memory (MiB)", [("gpu_allocated_bytes", "allocated"),
+                                    ("gpu_reserved_bytes", "reserved")], MIB),
+              ("requests", [("running", "running"), ("waiting", "waiting")], 1)]  # fmt: skip
+    for ax, (title, lines, unit) in zip(axes, panels):
+        for key, label in lines:
+            pts = [(s["t"], s[key] / unit) for s in samples if key in s]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        ax.set_xlabel("seconds since the start")
+        ax.set_title(f"server: {title}")
+        ax.grid(True, alpha=0.3)
+        if ax.has_data():
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "not in the server's /metrics", ha="center", transform=ax.transAxes)

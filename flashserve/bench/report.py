@@ -44,9 +44,10 @@ def progress(items: Sequence[T], desc: str, enabled: bool = True) -> Iterator[T]
 
 
 class Counter:
-    """A progress counter for work that completes out of order (tqdm or plain prints)."""
+    """A progress counter for work that completes out of order (tqdm or plain prints);
+    ``total`` None: not known in advance."""
 
-    def __init__(self, total: int, desc: str, enabled: bool = True):
+    def __init__(self, total: int | None, desc: str, enabled: bool = True):
         self.total, self.desc, self.done, self.enabled = total, desc, 0, enabled
         self._bar = None
         if enabled:
@@ -62,9 +63,10 @@ class Counter:
         if self._bar is not None:
             self._bar.update(1)
         elif self.enabled and (
-            self.done % max(1, self.total // 10) == 0 or self.done == self.total
+            self.done % (max(1, self.total // 10) if self.total else 100) == 0
+            or self.done == self.total
         ):
-            print(f"[{self.desc}] {self.done}/{self.total}", file=sys.stderr, flush=True)
+            print(f"[{self.desc}] {self.done}/{self.total or '?'}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

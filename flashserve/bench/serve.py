@@ -5,17 +5,21 @@ token, inter-token latency, time per output token, end-to-end latency, throughpu
 failures by HTTP status. Load is a fixed number of requests in flight (``--concurrency``)
 or Poisson arrivals (``--request-rate``). ``--depth N`` measures decode at depth: prompts of
 N tokens, then ``--output-len`` generated tokens. Requests go only to ``--url``, and the run
-is bounded by ``--num-requests`` and ``--max-duration``.
+is bounded by ``--num-requests`` and ``--max-duration``; with ``--duration`` requests are sent
+for that long instead of counted (soak runs). ``--sample-metrics`` records the server's memory
+and load from its /metrics over the run (``flashserve/bench/server_metrics.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import random
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import flashserve
@@ -25,6 +29,7 @@ from flashserve.bench.report import Counter, require_matplotlib, write_json
 
 if TYPE_CHECKING:
     from flashserve.bench.client import RequestRecord
+    from flashserve.bench.server_metrics import MetricsSampler
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +47,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(default: the model /info names, when it can be loaded here)",
     )
     parser.add_argument("--num-requests", type=int, help="default 100 (1 with --depth)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="send requests for this long instead of --num-requests, then wait for those "
+        "in flight (up to --max-duration from the start)",
+    )
     parser.add_argument(
         "--concurrency",
         type=int,
@@ -67,6 +79,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="stop (cancelling requests in flight) after this many seconds",
     )
+    parser.add_argument(
+        "--sample-metrics",
+        type=float,
+        metavar="SECONDS",
+        help="scrape the server's /metrics this often: memory and load over time, memory drift",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every result to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="plot latency CDFs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
     if args.api == "openai" and args.model is None:
         args.model = _get_json(args.url, "/v1/models", lambda d: d["data"][0]["id"])
     tokenizer, tok_source = _tokenizer(args)
-    specs = _request_specs(args, tokenizer)
-    records, duration, cancelled = asyncio.run(_load(args, specs))
+    specs: Iterable[tuple[str, RequestRecord]] = _request_specs(args, tokenizer)
+    if args.duration is None:
+        specs = list(specs)  # made before the clock starts
+    records, duration, cancelled, sampler = asyncio.run(_load(args, specs))
     from flashserve.bench.serve_stats import format_report, summarize
 
     result = {
@@ -93,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         "tokenizer": tok_source,
         **summarize(records, duration, cancelled),
     }
+    if sampler is not None:
+        result["server_metrics"] = sampler.result(duration)
     print(format_report(result))
     if args.json:
         write_json(args.json, result)
@@ -107,12 +129,17 @@ def _defaults(args: argparse.Namespace) -> None:
     depth = args.depth is not None
     if depth:
         args.input_len, args.input_len_range = args.depth, 0.0
-    if args.num_requests is None:
+    if args.duration is not None and args.num_requests is not None:
+        raise cli.CLIError("give --duration or --num-requests, not both", status=2)
+    if args.num_requests is None and args.duration is None:
         args.num_requests = 1 if depth else 100
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 1 if depth else 8
     checks = [
-        (args.num_requests >= 1, "--num-requests must be >= 1"),
+        (args.num_requests is None or args.num_requests >= 1, "--num-requests must be >= 1"),
+        (args.duration is None or 0 < args.duration < args.max_duration,
+         "--duration must be > 0 and shorter than --max-duration"),
+        (args.sample_metrics is None or args.sample_metrics > 0, "--sample-metrics must be > 0"),
         (args.concurrency is None or args.concurrency >= 1, "--concurrency must be >= 1"),
         (args.request_rate is None or args.request_rate > 0, "--request-rate must be > 0"),
         (args.input_len >= 1 and args.output_len >= 1, "lengths must be >= 1"),
@@ -149,28 +176,39 @@ def _get_json(url: str, route: str, pick) -> str | None:
         return None
 
 
-def _request_specs(args, tokenizer) -> list[tuple[str, RequestRecord]]:
+def _request_specs(args, tokenizer) -> Iterator[tuple[str, RequestRecord]]:
+    """(prompt, record) of each request: --num-requests of them, or no end with --duration
+    (drawn 256 at a time)."""
     from flashserve.bench.client import RequestRecord
 
     rng = random.Random(args.seed)
-    n = args.num_requests
-    ins = sample_lengths(args.input_len, args.input_len_range, n, rng)
-    outs = sample_lengths(args.output_len, args.output_len_range, n, rng)
-    return [(make_prompt(i, rng, tokenizer), RequestRecord(i, o)) for i, o in zip(ins, outs)]
+    n = args.num_requests or 256
+    while True:
+        ins = sample_lengths(args.input_len, args.input_len_range, n, rng)
+        outs = sample_lengths(args.output_len, args.output_len_range, n, rng)
+        for i, o in zip(ins, outs):
+            yield make_prompt(i, rng, tokenizer), RequestRecord(i, o)
+        if args.num_requests is not None:
+            return
 
 
-async def _load(args, specs) -> tuple[list[RequestRecord], float, int]:
-    """Send every request (paced by the arrival process); (finished records, seconds taken,
-    requests cancelled or never sent when --max-duration ran out)."""
+async def _load(
+    args, specs: Iterable[tuple[str, RequestRecord]]
+) -> tuple[list[RequestRecord], float, int, MetricsSampler | None]:
+    """Send the requests (paced by the arrival process) until they or --duration run out, and
+    wait for those in flight; (finished records, seconds taken, requests cancelled or never
+    sent when --max-duration ran out, the /metrics sampler if any)."""
     import httpx
 
     from flashserve.bench.client import send
+    from flashserve.bench.server_metrics import MetricsSampler
 
-    limit = args.concurrency or len(specs)
-    sem = asyncio.Semaphore(limit)
-    counter = Counter(len(specs), "requests", not args.no_progress)
+    limit = args.concurrency  # None: no bound (Poisson arrivals)
+    sem = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
+    counter = Counter(args.num_requests, "requests", not args.no_progress)
     timeout = httpx.Timeout(args.timeout, connect=min(30.0, args.timeout))
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    sampler = MetricsSampler(args.url, args.sample_metrics) if args.sample_metrics else None
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
@@ -181,7 +219,9 @@ async def _load(args, specs) -> tuple[list[RequestRecord], float, int]:
             return rec
 
         start = time.perf_counter()
-        tasks = await _launch(args, specs, one, start + args.max_duration)
+        if sampler is not None:
+            sampler.start(start)
+        tasks = await _launch(args, specs, one, start + (args.duration or args.max_duration))
         left = max(0.0, start + args.max_duration - time.perf_counter())
         done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
         for task in pending:
@@ -189,20 +229,33 @@ async def _load(args, specs) -> tuple[list[RequestRecord], float, int]:
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
     counter.close()
+    if sampler is not None:
+        await sampler.stop()
     records = [t.result() for t in tasks if t in done]
-    return records, duration, len(specs) - len(records)
+    return records, duration, (args.num_requests or len(tasks)) - len(records), sampler
 
 
-async def _launch(args, specs, one, deadline: float) -> list[asyncio.Task]:
-    """Start the requests now (fixed concurrency) or at Poisson arrival times."""
+async def _launch(args, specs, one, stop: float) -> list[asyncio.Task]:
+    """Start requests until ``specs`` or the time (``stop``) run out: whenever fewer than
+    --concurrency are in flight, or at Poisson arrival times."""
     rng = random.Random(args.seed + 1)
     tasks: list[asyncio.Task[Any]] = []
+    in_flight: set[asyncio.Task[Any]] = set()
+    arrival = time.perf_counter()
     for prompt, rec in specs:
-        if args.request_rate is not None and tasks:
-            await asyncio.sleep(rng.expovariate(args.request_rate))
-        if time.perf_counter() >= deadline:
+        if args.request_rate is not None:
+            if tasks:  # absolute times: the time spent making prompts does not slow the rate
+                arrival += rng.expovariate(args.request_rate)
+            await asyncio.sleep(min(arrival, stop) - time.perf_counter())
+        elif len(in_flight) >= args.concurrency:
+            _, in_flight = await asyncio.wait(
+                in_flight, timeout=stop - time.perf_counter(), return_when=asyncio.FIRST_COMPLETED
+            )
+        if time.perf_counter() >= stop:
             break
-        tasks.append(asyncio.create_task(one(prompt, rec)))
+        task = asyncio.create_task(one(prompt, rec))
+        tasks.append(task)
+        in_flight.add(task)  # pruned by the wait above (fixed concurrency only)
     return tasks
 
 

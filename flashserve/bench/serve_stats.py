@@ -1,4 +1,5 @@
-"""Summaries of ``bench serve`` runs: latency percentiles, throughput, failures."""
+"""Summaries of ``bench serve`` runs: latency percentiles, throughput, failures, and the
+server's memory and load when they were sampled."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from flashserve.bench.client import RequestRecord
 from flashserve.bench.report import percentiles, table
+from flashserve.bench.server_metrics import MIB
 
 
 def per_request(rec: RequestRecord) -> dict[str, Any]:
@@ -52,6 +54,7 @@ def summarize(records: list[RequestRecord], duration_s: float, cancelled: int) -
         "failed": len(reqs) - len(good),
         "cancelled": cancelled,  # still running when --max-duration ran out
         "failures": dict(Counter(r["status"] for r in reqs if r["status"] != "ok")),
+        "all_completed": len(good) == len(records) + cancelled,  # no failure, none cut short
         "early_stops": sum(r["finish_reason"] not in (None, "length") for r in good),
         "duration_s": duration_s,
         "input_tokens": in_tokens,
@@ -79,6 +82,12 @@ def format_report(result: dict[str, Any]) -> str:
     d = result["decode_tokens_per_s"]
     rows.append(["decode tokens/s per request", d["p50"], d["p90"], d["p99"], d["mean"]])
     failures = ", ".join(f"{k}: {v}" for k, v in s["failures"].items()) or "none"
+    if s["all_completed"]:
+        verdict = f"ALL {s['requests']} REQUESTS COMPLETED: no failure"
+    else:
+        verdict = (
+            f"NOT ALL COMPLETED: {s['failed']} failed ({failures}), {s['cancelled']} cancelled"
+        )
     lines = [
         table(["", "p50", "p90", "p99", "mean"], rows),
         f"requests: {s['completed']} completed, {s['failed']} failed ({failures}), "
@@ -87,4 +96,27 @@ def format_report(result: dict[str, Any]) -> str:
         f"{s['output_token_throughput']:.1f} output tokens/s, "
         f"{s['total_token_throughput']:.1f} total tokens/s",
     ]
-    return "\n".join(lines)
+    if "server_metrics" in result:
+        lines += _server_lines(result["server_metrics"])
+    return "\n".join([*lines, verdict])
+
+
+def _server_lines(m: dict[str, Any]) -> list[str]:
+    """The sampled memory (MiB) and load of the server, or why there is none."""
+    lines = [f"server /metrics: {m['scrapes'] - m['failed_scrapes']} of {m['scrapes']} "
+             f"scrapes read, every {m['period_s']:g} s"]  # fmt: skip
+    if m["failed_scrapes"]:
+        lines[0] += f" (last error: {m['error']})"
+    names = {"resident_memory_bytes": "resident memory", "gpu_allocated_bytes": "GPU allocated",
+             "gpu_reserved_bytes": "GPU reserved"}  # fmt: skip
+    rows = [[names[k], d["first"] / MIB, d["warm"] / MIB, d["last"] / MIB, d["max"] / MIB,
+             d["drift_mib"], d["drift_percent"]] for k, d in m["memory"].items()]  # fmt: skip
+    if rows:
+        heads = ["memory (MiB)", "first", "after warm-up", "last", "max", "drift", "drift %"]
+        lines.append(table(heads, rows))
+    elif m["scrapes"] > m["failed_scrapes"]:
+        lines.append("no memory series in the server's /metrics")
+    load = ", ".join(f"{k} mean {d['mean']:.3g} max {d['max']:.3g}" for k, d in m["load"].items())
+    if load:
+        lines.append(f"server load: {load}")
+    return lines
