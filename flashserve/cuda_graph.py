@@ -5,6 +5,10 @@ ids, positions, cache slots, per-sequence KV lengths and block tables. The decod
 ``max_model_len`` as its length hint and reads each sequence's real length from device memory.
 A batch of B decodes runs the graph of the smallest bucket >= B, padding rows with one token of
 KV length 1 whose slot is -1 (nothing is written), and its logits rows beyond B are ignored.
+
+Each graph also picks every row's greedy token and its log-probability
+(``kernels.sampling.greedy_sample``) into one float64 ``[2, B]`` tensor, so that a batch of
+plain greedy requests skips the sampler and reads its tokens back in one copy.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 import torch
 
 from flashserve.attention import AttentionMetadata
+from kernels.sampling import greedy_sample
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +45,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, logits [b, V] float32, greedy [2, b] float64: token ids, logprobs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         start = time.perf_counter()
         self._capture_all()
         logger.info("captured %d decode graphs (batch %s) in %.1f s", len(self.graphs),
@@ -61,10 +67,12 @@ class DecodeGraphs:
             max_prefill_seq_len=0,
         )
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model
         hidden = model(self.input_ids[:b], self.positions[:b], self.runner.kv_caches, self._meta(b))
-        return model.compute_logits(hidden)
+        logits = model.compute_logits(hidden)
+        ids, logprobs = greedy_sample(logits)
+        return logits, torch.stack((ids.double(), logprobs.double()))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -76,8 +84,8 @@ class DecodeGraphs:
                 self._forward(b)  # warm-up: compiles kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(b)
-                self.graphs[b] = (graph, logits)
+                    logits, greedy = self._forward(b)
+                self.graphs[b] = (graph, logits, greedy)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
@@ -92,7 +100,8 @@ class DecodeGraphs:
             and host.block_tables.shape[1] <= self.max_blocks
         )
 
-    def run(self, host) -> torch.Tensor:  # [B, V] float32
+    def run(self, host) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step: logits [B, V] float32 and the greedy picks [2, B] float64."""
         b = len(host.q_lens)
         bucket = next(x for x in self.buckets if x >= b)
         cpu = lambda x, dt: torch.as_tensor(x, dtype=dt)
@@ -106,6 +115,6 @@ class DecodeGraphs:
             self.slot_mapping[b:bucket].fill_(-1)
             self.seq_lens[b:bucket].fill_(1)
             self.block_tables[b:bucket, 0].fill_(0)
-        graph, logits = self.graphs[bucket]
+        graph, logits, greedy = self.graphs[bucket]
         graph.replay()
-        return logits[:b]
+        return logits[:b], greedy[:, :b]

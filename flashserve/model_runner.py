@@ -204,7 +204,10 @@ class ModelRunner:
         host = self.prepare(seqs)
         sampling = [s for s in seqs if s.samples_this_step]
         if self.graphs is not None and self.graphs.can_run(host):
-            logits = self.graphs.run(host)  # [B, V] fp32; every decode samples
+            logits, greedy = self.graphs.run(host)  # [B, V] fp32; every decode samples
+            if self.sampler.plain_greedy(sampling):
+                ids, logprobs = greedy.tolist()  # the step's one device -> host copy
+                return [SampledToken(int(i), lp, None) for i, lp in zip(ids, logprobs)]
         else:
             inputs = self.to_device(host)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)

@@ -134,6 +134,19 @@ class Sampler:
         self._tokens = TokenArrays(vocab_size)
         self._staging = Staging(self.device)
 
+    @staticmethod
+    def plain_greedy(seqs: list[Sequence]) -> bool:
+        """Every row greedy, without penalties or top logprobs: its token is the argmax of the
+        raw logits and its logprob the log-softmax there, which a CUDA graph computes itself."""
+        return all(
+            is_greedy(s)
+            and not s.params.logprobs
+            and s.params.repetition_penalty == 1.0
+            and s.params.presence_penalty == 0.0
+            and s.params.frequency_penalty == 0.0
+            for s in seqs
+        )
+
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
         """Host -> device, in one copy: per-row parameters and, if used, penalty histories."""
         sampled = [i for i, s in enumerate(seqs) if not is_greedy(s)]

@@ -5,7 +5,9 @@ by the token's position (``x * cos + rotate_half(x) * sin``, the two halves of t
 rotating together), writes the rotated queries out, and stores the rotated keys and the values
 in the paged cache at the token's slot (-1: a CUDA-graph padding token, not stored). Products
 and sums are rounded to the activations' dtype where torch's elementwise version rounds, so the
-result equals ``kernels.reference.rope_write_kv``.
+result equals ``kernels.reference.rope_write_kv``: Triton turns the rounded float32 products
+into native bf16/fp16 multiplies, and with FP fusion on (its default) would merge a multiply
+and the following add into one FMA, which skips a rounding; the kernel is compiled without.
 """
 
 from __future__ import annotations
@@ -134,5 +136,6 @@ def rope_write_kv(
         BLOCK_HALF=triton.next_power_of_2(d // 2),
         PDL=_pdl_trigger(qkv.device),
         num_warps=4 if num_heads * d >= 2048 else 2,
+        enable_fp_fusion=False,  # a fused multiply-add would skip a rounding torch does
     )  # fmt: skip
     return q
