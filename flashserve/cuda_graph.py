@@ -32,7 +32,12 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps (model forward + logits) for each batch-size bucket."""
+    """Captured decode steps (model forward + logits + greedy picks) for each batch-size bucket.
+
+    A step's inputs travel in two copies from pinned host buffers: token ids, positions, slots
+    and KV lengths packed as int64 (the graph of bucket ``b`` reads them at offsets 0, b, 2b and
+    3b of ``inputs``, and casts the lengths to int32 itself), then the block tables.
+    """
 
     def __init__(self, runner):
         self.runner = runner
@@ -40,11 +45,11 @@ class DecodeGraphs:
         n = self.buckets[-1]
         dev = runner.device
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.inputs = torch.zeros(4 * n, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self._host_inputs = torch.zeros(4 * n, dtype=torch.int64, pin_memory=True)
+        self._host_tables = torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=True)
+        self._copied = torch.cuda.Event()  # recorded after each step's copies out of them
         # bucket -> (graph, logits [b, V] float32, greedy [2, b] float64: token ids, logprobs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         start = time.perf_counter()
@@ -52,11 +57,11 @@ class DecodeGraphs:
         logger.info("captured %d decode graphs (batch %s) in %.1f s", len(self.graphs),
                     self.buckets, time.perf_counter() - start)  # fmt: skip
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, slots: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
+            slot_mapping=slots,
             num_decode_tokens=b,
-            decode_seq_lens=self.seq_lens[:b],
+            decode_seq_lens=seq_lens,
             decode_block_tables=self.block_tables[:b],
             max_decode_seq_len=self.runner.max_model_len,
             num_prefill_tokens=0,
@@ -68,8 +73,10 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, positions, slots, seq_lens = self.inputs[: 4 * b].view(4, b)
+        meta = self._meta(b, slots, seq_lens.to(torch.int32))
         model = self.runner.model
-        hidden = model(self.input_ids[:b], self.positions[:b], self.runner.kv_caches, self._meta(b))
+        hidden = model(ids, positions, self.runner.kv_caches, meta)
         logits = model.compute_logits(hidden)
         ids, logprobs = greedy_sample(logits)
         return logits, torch.stack((ids.double(), logprobs.double()))
@@ -101,20 +108,32 @@ class DecodeGraphs:
         )
 
     def run(self, host) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the step: logits [B, V] float32 and the greedy picks [2, B] float64."""
+        """Replay the step: logits [B, V] float32 and the greedy picks [2, bucket] float64 (the
+        whole bucket: read back as it is, one contiguous copy; rows past B are padding)."""
         b = len(host.q_lens)
         bucket = next(x for x in self.buckets if x >= b)
-        cpu = lambda x, dt: torch.as_tensor(x, dtype=dt)
-        self.input_ids[:b].copy_(cpu(host.input_ids, torch.int64), non_blocking=True)
-        self.positions[:b].copy_(cpu(host.positions, torch.int64), non_blocking=True)
-        self.slot_mapping[:b].copy_(cpu(host.slot_mapping, torch.int64), non_blocking=True)
-        self.seq_lens[:b].copy_(cpu(host.seq_lens, torch.int32), non_blocking=True)
-        width = host.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(torch.from_numpy(host.block_tables), non_blocking=True)
-        if bucket > b:  # padding rows: KV length 1, nothing written
-            self.slot_mapping[b:bucket].fill_(-1)
-            self.seq_lens[b:bucket].fill_(1)
-            self.block_tables[b:bucket, 0].fill_(0)
+        self._copied.synchronize()  # the pinned buffers are free once last step's copies are
+        packed = self._host_inputs.numpy()[: 4 * bucket].reshape(4, bucket)
+        packed[:, :b] = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens)
+        packed[:, b:] = ((0,), (0,), (-1,), (1,))  # padding rows: KV length 1, nothing written
+        self.inputs[: 4 * bucket].copy_(self._host_inputs[: 4 * bucket], non_blocking=True)
+        self._copy_tables(host.block_tables)
+        self._copied.record()
         graph, logits, greedy = self.graphs[bucket]
         graph.replay()
-        return logits[:b], greedy[:, :b]
+        return logits[:b], greedy
+
+    def _copy_tables(self, tables) -> None:
+        """Block tables [b, width] into the first b rows. One contiguous copy of the rows'
+        span (the tails of rows before the last come along: stale but valid block ids, never
+        read past a sequence's length) unless that span is mostly tail; padding rows keep
+        whatever valid ids they hold."""
+        b, width = tables.shape
+        span = (b - 1) * self.max_blocks + width
+        if span > 4 * b * width + 4096:
+            self.block_tables[:b, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+            return
+        host = self._host_tables.numpy()[: b * self.max_blocks].reshape(b, self.max_blocks)
+        host[:, :width] = tables
+        dst = self.block_tables.view(-1)[:span]
+        dst.copy_(self._host_tables[:span], non_blocking=True)

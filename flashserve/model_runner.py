@@ -207,7 +207,7 @@ class ModelRunner:
             logits, greedy = self.graphs.run(host)  # [B, V] fp32; every decode samples
             if self.sampler.plain_greedy(sampling):
                 ids, logprobs = greedy.tolist()  # the step's one device -> host copy
-                return [SampledToken(int(i), lp, None) for i, lp in zip(ids, logprobs)]
+                return [SampledToken(int(i), lp, None) for i, lp in zip(ids, logprobs[: len(seqs)])]
         else:
             inputs = self.to_device(host)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
