@@ -33,6 +33,7 @@ class AttentionMetadata:
 
 # the operations a backend provides, all with the signatures of ``kernels.reference``
 BACKEND_OPS = (
+    "linear",
     "rms_norm",
     "add_rms_norm",
     "silu_and_mul",
@@ -44,8 +45,9 @@ BACKEND_OPS = (
 
 def load_backend(name: str) -> SimpleNamespace:
     """A backend's operations (``BACKEND_OPS``): ``torch`` is ``kernels.reference``; ``triton``
-    runs attention on its kernels and fuses the small operations around it (RMSNorm with the
-    residual add, RoPE with the KV store, SiLU with the multiply), one launch each."""
+    runs attention on its kernels, fuses the small operations around it (RMSNorm with the
+    residual add, RoPE with the KV store, SiLU with the multiply), one launch each, and runs
+    linear layers at decode batch sizes on its weight-streaming kernel."""
     if name == "torch":
         from kernels import reference
 
@@ -53,11 +55,13 @@ def load_backend(name: str) -> SimpleNamespace:
     if name == "triton":
         from kernels.activation import silu_and_mul
         from kernels.decode import decode_attention
+        from kernels.gemv import linear
         from kernels.norm import add_rms_norm, rms_norm
         from kernels.prefill import prefill_attention
         from kernels.rope import rope_write_kv
 
         return SimpleNamespace(
+            linear=linear,
             rms_norm=rms_norm,
             add_rms_norm=add_rms_norm,
             silu_and_mul=silu_and_mul,

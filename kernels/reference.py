@@ -1,6 +1,7 @@
 """Plain-torch reference of the kernels: attention over the paged KV cache, and the small
 per-layer operations the Triton backend fuses (RMSNorm with the residual add, RoPE with the KV
-store, SiLU-and-multiply).
+store, SiLU-and-multiply), and the linear layers (the Triton backend streams their weights with
+its own kernel at decode batch sizes).
 
 This is both the ``torch`` backend (CPU and CUDA) and the ground truth the Triton kernels are
 tested against (call the attention on float64 tensors for that). The per-layer operations round
@@ -20,6 +21,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [T, N]
+    """``x @ weight.T + bias``."""
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(

@@ -14,6 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+# Without a GPU, Triton kernels can only run in its interpreter; Triton reads this when a kernel
+# is defined (module import), so it is set before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 RUN_SEED = int(os.environ.get("FLASHSERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 

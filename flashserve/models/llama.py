@@ -18,7 +18,6 @@ import types
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashserve.attention import AttentionMetadata, PagedAttention, load_backend
@@ -52,6 +51,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
         super().__init__()
+        self.ops = backend
         sizes = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, sizes, config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, config.attention_out_bias)
@@ -67,8 +67,9 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        out = self.attn(self.qkv_proj(x), positions, rope, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.view(x.shape[0], -1))  # out: [T, Hq, D]
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        out = self.attn(qkv, positions, rope, kv_cache[0], kv_cache[1], meta)  # [T, Hq, D]
+        return self.ops.linear(out.view(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -81,7 +82,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: types.SimpleNamespace):
         super().__init__()
         self.config = config
+        self.ops = attn_backend
         self.model = LlamaModel(config, attn_backend)
         self.lm_head = None  # tied: compute_logits uses the embedding matrix
         if not config.tie_word_embeddings:
@@ -153,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         """float32 logits."""
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return F.linear(hidden, head.weight).float()
+        return self.ops.linear(hidden, head.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

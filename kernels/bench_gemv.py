@@ -1,0 +1,163 @@
+"""Small-M linear benchmark: ``python -m kernels.bench_gemv [--json FILE] [--wide] [--shapes]``.
+
+Llama-3-8B linear shapes (N, K) at M in {1, 8, 16}, bf16: F.linear (cuBLAS) beside
+``kernels.gemv.linear_small_m`` over a sweep of configs (the heuristic's pick among them).
+Every config is first checked against F.linear (relative error ``|out - ref| / |ref|``), then
+timed under CUDA-graph replay: one graph of >= 20 calls that rotate over weight copies totalling
+>= 256 MB (5x the 50 MB L2), median of 10 replays. GB/s counts the weight, x and output bytes
+once each; the device-to-device copy bandwidth (bytes read + written) is the 100% line.
+The default run takes ~30 s on an H100 (cold Triton cache); ``--wide`` sweeps more configs
+(tuning, ~1.5 min); ``--shapes qkv_tp8,narrow`` times narrow layers, where K is split. With
+``TRITON_INTERPRET=1`` it runs on the CPU at toy sizes (a smoke test of the script only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.bench import SMOKE, copy_bandwidth, graph_time
+from kernels.gemv import _num_sms, gemv_config, linear_small_m, split_k_for
+
+DEV = "cpu" if SMOKE else "cuda"
+DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter rounds bf16 wrongly
+SHAPES = {  # name: (N, K), Llama-3-8B
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+# narrow layers (tensor parallel 8), where the heuristic splits K: --shapes qkv_tp8,narrow
+EXTRA_SHAPES = {"qkv_tp8": (768, 4096), "narrow": (256, 14336)}
+if SMOKE:
+    SHAPES = {"qkv": (96, 512), "down": (64, 1536)}
+    EXTRA_SHAPES = {"narrow": (16, 4096)}
+MS = (1, 8, 16)
+CALLS = 20  # per graph
+ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes (and 2 copies)
+MAX_ERR = 2e-2  # bf16 output: ~4e-3 from rounding alone
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), each at split_k_for's SPLIT_K and at 1 and 2 splits;
+# the fastest of a 47-config sweep (--wide) at each point are among them.
+_TILES_M1 = [(8, 1024, 4, 3), (8, 1024, 4, 4), (8, 512, 4, 4), (4, 1024, 4, 4), (16, 512, 4, 3),
+             (8, 2048, 8, 3), (16, 256, 4, 4), (4, 2048, 4, 3)]  # fmt: skip
+_TILES_DOT = [(64, 256, 4, 3), (64, 128, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (16, 256, 4, 5),
+              (32, 512, 4, 2), (128, 128, 4, 3), (16, 256, 4, 4)]  # fmt: skip
+_WIDE_M1 = [(8, 1024, 8, 3), (4, 2048, 4, 3), (16, 1024, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3),
+            (16, 512, 4, 2), (8, 512, 4, 3), (4, 512, 4, 4), (8, 256, 4, 4)]  # fmt: skip
+_WIDE_DOT = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (64, 128, 4, 3),
+             (32, 512, 8, 3), (64, 64, 4, 6), (128, 64, 4, 4), (128, 256, 8, 3)]  # fmt: skip
+
+
+def candidates(m: int, n: int, k: int, sms: int, wide: bool) -> list[tuple]:
+    """The heuristic's pick first, then each tile at its heuristic split, unsplit and split 2."""
+    tiles = (_TILES_M1 + _WIDE_M1 * wide) if m == 1 else (_TILES_DOT + _WIDE_DOT * wide)
+    if SMOKE:
+        tiles = tiles[:2]
+    out = [gemv_config(m, n, k, sms)]
+    for bn, bk, w, st in tiles:
+        for split in dict.fromkeys((split_k_for(n, k, bn, bk, sms), 1, 2)):
+            if (bn, bk, split, w, st) not in out and split <= max(1, k // bk):
+                out.append((bn, bk, split, w, st))
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return math.inf
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_shape(name: str, n: int, k: int, sms: int, copy_gbs: float, wide: bool) -> list[dict]:
+    """All M for one weight shape: the weight copies are allocated once."""
+    wbytes = n * k * DT.itemsize
+    copies = 1 if SMOKE else max(2, math.ceil(ROTATE_BYTES / wbytes))
+    ws = torch.randn(copies, n, k, device=DEV, dtype=DT)
+    rows = []
+    for m in MS:
+        xs = torch.randn(copies, m, k, device=DEV, dtype=DT)
+        outs = torch.empty(copies, m, n, device=DEV, dtype=DT)
+        gbs = lambda us, m=m: (wbytes + (m * k + m * n) * DT.itemsize) / us / 1e3  # noqa: E731
+        ref = F.linear(xs[0], ws[0])
+        sets = [(xs[i], ws[i], outs[i]) for i in range(copies)]
+        t_lin = graph_time([lambda s=s: F.linear(s[0], s[1], out=s[2]) for s in sets], CALLS)
+        pick = gemv_config(m, n, k, sms)
+        results, worst = [], 0.0
+        for cfg in candidates(m, n, k, sms, wide):
+            o = torch.full((m, n), math.nan, device=DEV, dtype=DT)
+            err = rel_err(linear_small_m(xs[0], ws[0], out=o, config=cfg), ref)
+            worst = max(worst, err)
+            if not err <= MAX_ERR:
+                print(f"  {name} M={m} {cfg}: rel err {err:.2e} > {MAX_ERR}: WRONG", flush=True)
+                continue
+            calls = [lambda s=s, c=cfg: linear_small_m(*s[:2], out=s[2], config=c) for s in sets]
+            results.append((graph_time(calls, min_calls=CALLS), cfg))
+        results.sort()
+        t_pick = next((t for t, c in results if c == pick), math.nan)
+        row = {
+            "shape": name, "N": n, "K": k, "M": m,
+            "linear_us": t_lin, "linear_gbs": gbs(t_lin),
+            "best_cfg": list(results[0][1]), "best_us": results[0][0],
+            "best_gbs": gbs(results[0][0]), "best_pct_copy": 100 * gbs(results[0][0]) / copy_gbs,
+            "pick_cfg": list(pick), "pick_us": t_pick, "pick_gbs": gbs(t_pick),
+            "max_rel_err": worst, "configs": len(results),
+            "all": [[list(c), round(t, 2)] for t, c in results],
+        }  # fmt: skip
+        print("  " + json.dumps({k_: v for k_, v in row.items() if k_ != "all"}), flush=True)
+        if wide:
+            print("    " + " ".join(f"{tuple(c)}:{t}" for c, t in row["all"]), flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], copy_gbs: float) -> None:
+    print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s (read + write); GB/s = weight+x+out bytes / time")
+    print(f"{'shape':8} {'M':>2} | {'F.linear':>8} {'GB/s':>5} | {'best':>7} {'GB/s':>5} "
+          f"{'%copy':>5} {'config (BN, BK, S, w, st)':26} | {'pick':>7} {'GB/s':>5} | "
+          f"{'err':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['shape']:8} {r['M']:2} | {r['linear_us']:8.1f} {r['linear_gbs']:5.0f} | "
+              f"{r['best_us']:7.1f} {r['best_gbs']:5.0f} {r['best_pct_copy']:5.1f} "
+              f"{str(tuple(r['best_cfg'])):26} | {r['pick_us']:7.1f} {r['pick_gbs']:5.0f} | "
+              f"{r['max_rel_err']:7.1e}")  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--wide", action="store_true", help="sweep more configs (tuning)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    sms = _num_sms(torch.device(DEV))
+    meta = {
+        "device": "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name(),
+        "sms": sms, "torch": torch.__version__, "python": platform.python_version(),
+    }  # fmt: skip
+    import triton
+
+    meta["triton"] = triton.__version__
+    print(json.dumps(meta), flush=True)
+    copy_gbs = copy_bandwidth()
+    print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = {**SHAPES, **EXTRA_SHAPES}[name]
+        rows += bench_shape(name, n, k, sms, copy_gbs, args.wide)
+        torch.cuda.empty_cache() if not SMOKE else None
+    print_table(rows, copy_gbs)
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

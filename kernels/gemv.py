@@ -1,0 +1,290 @@
+"""Linear layers at decode-time batch sizes (Triton): ``out = x @ weight.T + bias``, 1 <= M <= 16.
+
+At M <= 16 a linear layer is a matrix-vector product bound by reading the weight once, so the
+kernel is built to stream ``weight`` at the copy bandwidth::
+
+    out[m, n] = sum_k x[m, k] * weight[n, k] + bias[n]      x [M, K], weight [N, K], out [M, N]
+
+One kernel (``_linear_kernel``), grid ``(cdiv(N, BLOCK_N), S)``: program ``(j, s)`` owns output
+columns ``n`` of tile ``j`` (BLOCK_N weight rows) and walks K-split ``s`` of the reduction in
+BLOCK_K steps with fp32 accumulators, keeping ``num_stages`` weight tiles in flight. M = 1
+multiplies elementwise into a [BLOCK_N, BLOCK_K] accumulator that is summed once at the end;
+M > 1 pads M to 16 and uses ``tl.dot`` (the padded rows re-read row M - 1, a cache hit, and are
+never stored). With ``S == 1`` the program writes the output. With ``S > 1`` (N too small
+to give every SM enough programs) each program stores its fp32 partial [M, BLOCK_N] and the
+last of the ``S`` programs of a tile to finish (an atomic counter per tile tells it) sums the
+partials in split order, adds the bias and writes the output: one launch, and the same result
+whichever program finishes last.
+
+CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
+counters live in a per-device buffer that every launch leaves zeroed (the summing program resets
+its own), so replays need no memset. Calls on one device must not overlap in time (one stream).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 16
+
+
+@triton.jit
+def _store_out(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    """out[m, n] = acc[m, n] (+ bias[n]) for m < M, n < N; acc [BM, BN] fp32."""
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(Out.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _linear_kernel(
+    X,  # [M, K]
+    W,  # [N, K] contiguous
+    Bias,  # [N] (HAS_BIAS)
+    Out,  # [M, N]
+    Part,  # [S, M, N] fp32 partial sums (SPLIT)
+    Counters,  # [cdiv(N, BLOCK_N)] int32, zero between launches (SPLIT)
+    M,
+    N,
+    K,
+    num_splits,  # S
+    k_split,  # K elements per split, a multiple of BLOCK_K
+    stride_xm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,  # S > 1
+    USE_DOT: tl.constexpr,  # M > 1: tl.dot with M padded to BLOCK_M = 16
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    MERGE_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    # Out-of-range rows are clamped, not masked: every weight load is a full, unmasked tile.
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1)
+    w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, BK]
+    x_ptrs = X + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [BM, BK]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, eviction_policy="evict_last")
+        else:
+            k_mask = (k0 + offs_k) < k_hi
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_last")
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BM]
+        else:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)  # x [1, BK] broadcast over rows
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        acc = tl.trans(acc)  # [BM, BN]
+    else:
+        acc = tl.sum(acc2, 1)[None, :]  # [1, BN]
+
+    if SPLIT:
+        out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        part = Part + offs_m[:, None] * N + offs_n[None, :]  # [BM, BN]
+        tl.store(part + pid_k * M * N, acc, mask=out_mask)
+        # The last of the S programs of this tile sums all S partials: a barrier (every
+        # thread's partial stores issued), then one acq_rel atomic at GPU scope (releases
+        # them; the last one acquires everyone else's).
+        tl.debug_barrier()
+        done = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            tl.store(Counters + pid_n, 0)  # zero again for the next launch (CUDA graphs)
+            offs_s = tl.arange(0, MERGE_S)
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s0 in range(0, num_splits, MERGE_S):  # one round trip per MERGE_S splits
+                idx = s0 + offs_s  # [MS]
+                ptrs = part[None, :, :] + idx[:, None, None] * M * N  # [MS, BM, BN]
+                live = (idx < num_splits)[:, None, None] & out_mask[None, :, :]
+                total += tl.sum(tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg"), 0)
+            _store_out(total, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+    else:
+        _store_out(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: keep grids small
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
+# CUDA-graph replay, Llama-3-8B shapes at M = 1, 8, 16, 28-42 configs per point.
+
+# M = 1, (BLOCK_N, BLOCK_K, num_warps, num_stages): (8, 1024, 4, 3) is within 1.5% of the best
+# config at every shape (qkv 19.4 us, o_proj 13.8, gate_up 78.2, down 41.0, lm_head 336; F.linear
+# 21.4, 16.8, 81.8, 44.5, 377); BLOCK_N 32 or 8 warps up to 40% slower.
+_TILE_M1 = (8, 1024, 4, 3)
+# Under one 8-row tile per SM, 4-row tiles: qkv at tensor parallel 8 (768 rows) 4.5 us vs 4.9,
+# 256 rows x 14336 5.9 vs 6.1 (at 5 splits; 7.9 unsplit).
+_TILE_M1_NARROW = (4, 1024, 4, 4)
+# M > 1 (tl.dot, M padded to 16): BLOCK_N 64 (wgmma) is best where it gives >= ~0.7 programs per
+# SM (qkv M=8: 20.1 us vs 22.7 at BLOCK_N 32; gate_up 81.1 vs 86.1; lm_head 345 vs 349); below
+# that BLOCK_N 32 (o_proj M=16: 14.9 us vs 15.7 at 64; down: 43.6 vs 46.5).
+_TILE_DOT_WIDE = (64, 256, 4, 3)
+_TILE_DOT_NARROW = (32, 256, 4, 4)
+_WIDE_TILES_PER_SM = 0.7
+# Split-K costs ~1.5 us (the partials' round trip and the last program's serial sum): no shape
+# above gained from it (o_proj M=1 (16, 512): 13.9 us unsplit, 15.1 at 2 splits; M=16 (32, 256):
+# 14.9 / 16.2 at 3; (64, 256), 64 programs: 15.5 unsplit, 17.8 at 4). Only grids of fewer than
+# 0.25 programs per SM split, to about one program per SM, where it pays: 768 x 4096 at M = 8
+# (24 tiles of 32 rows) 6.5 us at 4 splits, 9.7 unsplit; 256 x 14336, 8 tiles: 8.0 / 27.4.
+_SPLIT_BELOW_TILES_PER_SM = 0.25
+_MIN_SPLIT_K = 1024  # K elements per split at least
+
+
+def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """K-splits: 1 unless the N tiles number under ``_SPLIT_BELOW_TILES_PER_SM`` per SM; then
+    enough to give every SM one program, none shorter than ``_MIN_SPLIT_K`` (nor one K tile)."""
+    tiles_n = triton.cdiv(n, block_n)
+    if tiles_n >= _SPLIT_BELOW_TILES_PER_SM * num_sms:
+        return 1
+    return max(1, min(triton.cdiv(num_sms, tiles_n), k // max(_MIN_SPLIT_K, block_k)))
+
+
+def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product."""
+    if m == 1:
+        tile = _TILE_M1 if triton.cdiv(n, _TILE_M1[0]) >= num_sms else _TILE_M1_NARROW
+    elif triton.cdiv(n, _TILE_DOT_WIDE[0]) >= _WIDE_TILES_PER_SM * num_sms:
+        tile = _TILE_DOT_WIDE
+    else:
+        tile = _TILE_DOT_NARROW
+    block_n, block_k, warps, stages = tile
+    return block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), warps, stages
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the split-K sum, one per output tile, kept per device. Each
+    launch leaves them zero (the summing program resets its own), so CUDA graphs replay with
+    them; calls on one device must not overlap in time (one stream, as in the engine)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"linear_small_m: run it once outside CUDA-graph capture first (it allocates "
+                f"{n} split counters)"
+            )
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"linear_small_m takes 1 <= M <= {MAX_M} rows; got {x.shape[0]}")
+    if weight.numel() == 0:
+        raise ValueError(f"weight {tuple(weight.shape)} is empty")
+    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x {x.dtype} and weight {weight.dtype} must be one of fp16/bf16/fp32")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("x rows (K) and weight must be contiguous")
+    if x.device != weight.device:
+        raise ValueError(f"x on {x.device}, weight on {weight.device}")
+    if bias is not None and (
+        bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype or bias.stride(0) != 1
+    ):
+        raise ValueError(f"bias must be contiguous {weight.dtype} [{weight.shape[0]}]; got "
+                         f"{bias.dtype} {tuple(bias.shape)}")  # fmt: skip
+
+
+def _check_config(block_n: int, block_k: int, split_k: int, use_dot: bool) -> None:
+    pow2 = all(b > 0 and b & (b - 1) == 0 for b in (block_n, block_k))
+    if not pow2 or split_k < 1 or (use_dot and min(block_n, block_k) < 16):
+        raise ValueError(f"config: BLOCK_N {block_n}, BLOCK_K {block_k} must be powers of two "
+                         f"(>= 16 for M > 1, tl.dot), SPLIT_K {split_k} >= 1")  # fmt: skip
+
+
+def linear_small_m(
+    x: torch.Tensor,  # [M, K], rows contiguous, any row stride
+    weight: torch.Tensor,  # [N, K] contiguous (nn.Linear layout)
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [M, N], rows contiguous
+    *,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
+
+    ``config`` = (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) overrides ``gemv_config``
+    (SPLIT_K is capped at the number of K tiles, and lowered so that no split is empty).
+    """
+    _check(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be {x.dtype} [{m}, {n}] with contiguous rows")
+    block_n, block_k, split_k, num_warps, num_stages = config or gemv_config(
+        m, n, k, _num_sms(x.device)
+    )
+    use_dot = m > 1
+    _check_config(block_n, block_k, split_k, use_dot)
+    tiles_n, tiles_k = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    per_split = triton.cdiv(tiles_k, min(split_k, tiles_k))
+    splits = triton.cdiv(tiles_k, per_split)
+    if splits > 1:
+        part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device, tiles_n)
+    else:
+        part = counters = out  # unused
+    block_m = 16 if use_dot else 1
+    _linear_kernel[(tiles_n, splits)](
+        x, weight, bias if bias is not None else weight, out, part, counters,
+        m, n, k, splits, per_split * block_k, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        MERGE_S=min(triton.next_power_of_2(splits), 8 if use_dot else 16),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [T, N]
+    """``F.linear`` for the Triton backend: ``linear_small_m`` on CUDA at decode batch sizes
+    (1 <= T <= MAX_M, contiguous weight and rows), cuBLAS otherwise."""
+    if (
+        x.is_cuda
+        and 1 <= x.shape[0] <= MAX_M
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+    ):
+        return linear_small_m(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)

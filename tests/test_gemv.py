@@ -1,0 +1,202 @@
+"""kernels.gemv.linear_small_m against a float64 torch reference (x @ w.T + bias).
+
+Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set here before
+anything imports Triton) on CPU tensors, at toy sizes, in fp16 and fp32 only: the interpreter
+miscomputes tl.dot on bf16 operands and rounds bf16 casts wrongly. With a GPU the same tests run
+on it, in bf16 too, plus Llama-3-8B shapes and CUDA-graph replay (``gpu`` marker). Every output
+is poisoned with NaN first, so unwritten elements fail the check.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
+
+from kernels import gemv  # noqa: E402
+from kernels.gemv import MAX_M, gemv_config, linear_small_m  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if GPU else [])
+# output rounding dominates: fp16 ~3e-4, bf16 ~2.5e-3 relative
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def reference(x, w, bias=None) -> torch.Tensor:
+    ref = x.double() @ w.double().T
+    return ref + bias.double() if bias is not None else ref
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    """‖out - ref‖ / ‖ref‖ under ``tol``, no NaN; on failure say where the worst element is."""
+    diff = (out.double() - ref).abs()
+    nan = torch.isnan(out)
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    if nan.any() or not err <= tol:
+        where = nan.nonzero()[0] if nan.any() else (diff == diff.max()).nonzero()[0]
+        idx = tuple(where.tolist())
+        raise AssertionError(
+            f"{what}: rel err {err:.3e} > {tol:.1e}; {int(nan.sum())} NaN; worst at {idx}: "
+            f"got {out[idx].item():.6f}, want {ref[idx].item():.6f}"
+        )
+
+
+def run(m, n, k, dtype, bias=False, config=None, x_pad=0, out_pad=0):
+    """linear_small_m on random inputs (x and out with ``*_pad`` extra columns per row)."""
+    x = torch.randn(m, k + x_pad, device=DEVICE).to(dtype)[:, :k]
+    w = torch.randn(n, k, device=DEVICE).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    out = torch.full((m, n + out_pad), float("nan"), device=DEVICE, dtype=dtype)[:, :n]
+    got = linear_small_m(x, w, b, out=out, config=config)
+    assert got.data_ptr() == out.data_ptr()
+    return got, reference(x, w, b)
+
+
+# ---------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(100, 200), (64, 1024), (17, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(dtype, m, n, k, bias):
+    out, ref = run(m, n, k, dtype, bias)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close(out, ref, TOL[dtype], f"M={m} N={n} K={k} bias={bias}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_strided_rows_and_default_out(dtype, m):
+    """x and out with padded rows (row stride > K, N); and out=None allocates."""
+    out, ref = run(m, 72, 136, dtype, bias=True, x_pad=37, out_pad=5)
+    assert_close(out, ref, TOL[dtype], "strided")
+    x = torch.randn(m, 136 + 8, device=DEVICE).to(dtype)[:, :136]
+    w = torch.randn(72, 136, device=DEVICE).to(dtype)
+    assert_close(linear_small_m(x, w), reference(x, w), TOL[dtype], "out=None")
+
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): K tails, uneven and capped splits
+SPLIT_CONFIGS = [(16, 64, 3, 4, 2), (16, 64, 8, 4, 2), (32, 32, 64, 4, 3), (16, 128, 2, 4, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS)
+def test_split_k(dtype, m, config):
+    """Split-K (the last program of each N tile sums the partials) = the unsplit result."""
+    n, k = 40, 300  # K: 5 tiles of 64, 10 of 32, 3 of 128; none divides evenly
+    torch.manual_seed(1234 + m)
+    out, ref = run(m, n, k, dtype, bias=True, config=config)
+    assert_close(out, ref, TOL[dtype], f"split {config}")
+    torch.manual_seed(1234 + m)
+    unsplit, _ = run(m, n, k, dtype, bias=True, config=config[:2] + (1,) + config[3:])
+    assert_close(out, unsplit.double(), 2 * TOL[dtype], "split vs unsplit")
+
+
+def test_split_counters_left_zero():
+    """Every launch leaves the split counters zero (CUDA-graph replays need no memset)."""
+    for _ in range(3):
+        out, ref = run(2, 50, 256, torch.float32, config=(16, 32, 4, 4, 2))
+        assert_close(out, ref, TOL[torch.float32], "split repeat")
+    assert int(gemv._COUNTERS[out.device].abs().sum()) == 0
+
+
+def test_heuristic_splits_narrow_layers(monkeypatch):
+    """On a 132-SM GPU a 100-row layer gives too few N tiles: the heuristic splits K."""
+    monkeypatch.setattr(gemv, "_num_sms", lambda device: 132)
+    cfg = gemv_config(1, 100, 4096, 132)
+    assert cfg[2] > 1, cfg
+    for m in (1, 4):
+        out, ref = run(m, 100, 4096, torch.float32)
+        assert_close(out, ref, TOL[torch.float32], f"heuristic split {cfg} M={m}")
+
+
+def test_heuristic_configs():
+    """Llama-3-8B shapes on an H100: no split, full tiles."""
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
+        for m in (1, 8, 16):
+            block_n, block_k, split, warps, stages = gemv_config(m, n, k, 132)
+            assert split == 1 and k % block_k == 0, (m, n, k)
+            assert m == 1 or block_n >= 16
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors():
+    dev = DEVICE
+    w = torch.randn(8, 32, device=dev)
+    x = lambda m, k=32: torch.randn(m, k, device=dev)  # noqa: E731
+    half = torch.float16
+    bad = {  # what: (x, weight, bias, out, config)
+        "M=0": (x(0), w, None, None, None),
+        f"M={MAX_M + 1}": (x(MAX_M + 1), w, None, None, None),
+        "K mismatch": (x(2, 31), w, None, None, None),
+        "x 3-D": (x(2)[None], w, None, None, None),
+        "dtype mismatch": (x(2).to(half), w, None, None, None),
+        "int dtype": (x(2).int(), w.int(), None, None, None),
+        "weight transposed": (x(2, 8), torch.randn(8, 8, device=dev).T, None, None, None),
+        "x K-strided": (x(2, 64)[:, ::2], w, None, None, None),
+        "empty weight": (x(2), w[:0], None, None, None),
+        "bias shape": (x(2), w, torch.randn(9, device=dev), None, None),
+        "bias dtype": (x(2), w, torch.randn(8, device=dev).to(half), None, None),
+        "out shape": (x(2), w, None, torch.empty(2, 9, device=dev), None),
+        "out dtype": (x(2), w, None, torch.empty(2, 8, device=dev, dtype=half), None),
+        "M>1 with BLOCK_N 8": (x(2), w, None, None, (8, 32, 1, 4, 2)),
+        "BLOCK_K 48": (x(1), w, None, None, (16, 48, 1, 4, 2)),
+        "SPLIT_K 0": (x(1), w, None, None, (16, 32, 0, 4, 2)),
+    }
+    for what, (xt, wt, b, out, config) in bad.items():
+        with pytest.raises(ValueError):
+            linear_small_m(xt, wt, b, out=out, config=config)
+            pytest.fail(f"no ValueError for {what}")
+    assert linear_small_m(x(1), w).shape == (1, 8)
+
+
+# ---------------------------------------------------------------- GPU: real shapes, graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1024, 4096), (4096, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+def test_llama_shapes_bf16(n, k, m):
+    """Llama-3-8B shapes in bf16, heuristic configs (N=1024 at M > 1 splits K on an H100)."""
+    out, ref = run(m, n, k, torch.bfloat16, bias=True)
+    assert_close(out, ref, TOL[torch.bfloat16], f"bf16 M={m} N={n} K={k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (32, 256, 4, 4, 4), (16, 512, 3, 4, 3)])
+@pytest.mark.parametrize("m", [1, 8])
+def test_cuda_graph_replay(config, m):
+    """One capture; replays with new x give fresh, correct results (split counters reset)."""
+    n, k, dtype = 2048, 4096, torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        linear_small_m(x, w, b, config=config)  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_small_m(x, w, b, config=config)
+        out2 = linear_small_m(x, w, b, config=config)  # back to back: counters reused
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        out2.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(x, w, b)
+        assert_close(out, ref, TOL[dtype], f"graph replay {config}")
+        assert torch.equal(out, out2)  # the same sum order whichever program finishes last
