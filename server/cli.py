@@ -69,6 +69,13 @@ def _add_production_args(g: argparse._ArgumentGroup) -> None:
         "which /health answers 503 (default: 120)",
     )
     g.add_argument(
+        "--dead-exit-delay",
+        type=float,
+        default=10.0,
+        help="seconds the server stays up once the engine is dead (health 503), then it exits "
+        "with status 1 for a supervisor to restart it; negative: never exit (default: 10)",
+    )
+    g.add_argument(
         "--api-key",
         help=f"require Authorization: Bearer KEY on every route but /health, /ready "
         f"and /metrics (default: ${API_KEY_ENV}, else no key)",
@@ -91,6 +98,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             queue_timeout=args.queue_timeout,
             shutdown_timeout=args.shutdown_timeout,
             stall_timeout=args.stall_timeout,
+            dead_exit_delay=args.dead_exit_delay if args.dead_exit_delay >= 0 else None,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             allowed_origins=tuple(origins),
         )
@@ -117,8 +125,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2
     )
-    DrainingServer(uvicorn_config, app, settings.shutdown_timeout).run()
-    return 0
+    server = DrainingServer(uvicorn_config, app, settings.shutdown_timeout)
+    server.run()
+    return server.exit_status
 
 
 SERVE = cli.Command(

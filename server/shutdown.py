@@ -6,6 +6,11 @@ signal sets ``app.state.draining`` (new requests get 503, ``/ready`` says 503) a
 no request is in flight or ``shutdown_timeout`` has passed; then uvicorn closes the
 connections, the app's lifespan stops the engine, and ``run()`` returns (exit status 0). A
 second signal skips the rest of the drain.
+
+It also watches the engine: once the watchdog calls it dead (``AsyncLLM.stalled_reason``) for
+``dead_exit_delay`` seconds, the server stops with ``exit_status`` 1, so that a supervisor
+(Docker's restart policy, Kubernetes) starts a fresh process instead of leaving one that can
+only answer 503.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class DrainingServer(uvicorn.Server):
         self.app_state = app.state
         self.shutdown_timeout = shutdown_timeout
         self._deadline: float | None = None
+        self._dead_since: float | None = None
+        self.exit_status = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._deadline is None:
@@ -44,6 +51,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
+        self._watch_engine()
         if self._deadline is not None and not self.should_exit:
             if self.app_state.in_flight == 0:
                 self.should_exit = True
@@ -52,6 +60,25 @@ class DrainingServer(uvicorn.Server):
                                self.app_state.in_flight)  # fmt: skip
                 self.should_exit = True
         return await super().on_tick(counter)
+
+    def _watch_engine(self) -> None:
+        state = self.app_state
+        delay = state.settings.dead_exit_delay
+        llm = getattr(state, "llm", None)
+        if delay is None or llm is None or not getattr(state, "ready", False) or self.should_exit:
+            return
+        reason = llm.stalled_reason(state.settings.stall_timeout)
+        if reason is None:
+            self._dead_since = None
+            return
+        now = time.monotonic()
+        if self._dead_since is None:
+            self._dead_since = now
+            logger.error("%s: exiting in %g s", reason, delay)
+        if now - self._dead_since >= delay:
+            logger.error("%s: exiting with status 1", reason)
+            self.exit_status = 1
+            self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

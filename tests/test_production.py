@@ -150,6 +150,52 @@ def test_health_is_503_while_the_engine_loop_hangs(tiny_llm, monkeypatch):
         assert httpx.get(f"{base}/health").status_code == 200
 
 
+class _FakeLLM:
+    """Stands in for AsyncLLM in the watchdog test: dead or alive on demand."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def stalled_reason(self, stall_timeout: float) -> str | None:
+        return self.reason
+
+
+@pytest.mark.parametrize("delay", [0.3, None])
+def test_server_exits_1_after_the_engine_stays_dead(delay):
+    """DrainingServer's watchdog: a dead engine that comes back resets the clock; one that stays
+    dead for dead_exit_delay stops the server with exit status 1 (None: it never does)."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from server.shutdown import DrainingServer
+
+    app = FastAPI()
+    llm = _FakeLLM()
+    app.state.llm, app.state.ready, app.state.draining, app.state.in_flight = llm, True, False, 0
+    app.state.settings = ServerSettings(dead_exit_delay=delay)
+    server = DrainingServer(uvicorn.Config(app), app, shutdown_timeout=1.0)
+
+    def ticks(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not server.should_exit:
+            asyncio.run(server.on_tick(0))
+            time.sleep(0.02)
+
+    ticks(0.5)  # alive
+    assert not server.should_exit
+    llm.reason = "the engine is not running"
+    ticks(0.15)  # dead, but not for long enough
+    llm.reason = None
+    ticks(0.25)  # back: the clock restarts
+    assert not server.should_exit and server.exit_status == 0
+    llm.reason = "the engine is not running"
+    ticks(1.0)
+    if delay is None:
+        assert not server.should_exit and server.exit_status == 0
+    else:
+        assert server.should_exit and server.exit_status == 1
+
+
 def test_sigterm_drains_streams_refuses_new_requests_and_exits_0():
     port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *TINY,
