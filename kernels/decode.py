@@ -35,6 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import SplitCounters
+from kernels.common import num_sms as _num_sms
+
 _LOG2E = 1.4426950408889634
 
 
@@ -283,13 +286,6 @@ def _decode_combine_kernel(
     )  # fmt: skip
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: keep grids small
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # ---- tuning (measurements: docs/benchmarks/kernels.md, `python -m kernels.bench --sweep`)
 
 # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a second,
@@ -349,23 +345,9 @@ def num_splits_for(
     return max(1, math.ceil(tiles / per_split))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused merge, one per (sequence, KV head), kept per device.
-    Each launch leaves them zero (the merging program resets its own), so CUDA graphs replay
-    with them; calls on one device must not overlap in time (one stream, as in the engine)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "decode_attention: run it once outside CUDA-graph capture first (it allocates "
-                f"{n} split counters)"
-            )
-        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+# one per (sequence, KV head): the last stage-1 program of each merges the splits
+_COUNTERS = SplitCounters("decode_attention", 1 << 14)
+_split_counters = _COUNTERS.take
 
 
 @functools.cache

@@ -23,11 +23,12 @@ its own), so replays need no memset. Calls on one device must not overlap in tim
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common import SplitCounters
+from kernels.common import num_sms as _num_sms
 
 MAX_M = 16
 
@@ -126,13 +127,6 @@ def _linear_kernel(
         _store_out(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: keep grids small
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
 # CUDA-graph replay, Llama-3-8B shapes at M = 1, 8, 16, 28-42 configs per point.
 
@@ -179,23 +173,9 @@ def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, in
     return block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), warps, stages
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the split-K sum, one per output tile, kept per device. Each
-    launch leaves them zero (the summing program resets its own), so CUDA graphs replay with
-    them; calls on one device must not overlap in time (one stream, as in the engine)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"linear_small_m: run it once outside CUDA-graph capture first (it allocates "
-                f"{n} split counters)"
-            )
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+# one per output tile: the last K-split program of each sums the partials
+_COUNTERS = SplitCounters("linear_small_m", 1 << 16)
+_split_counters = _COUNTERS.take
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -7,11 +7,11 @@ copies its ``Hkv x D`` K and V rows, casting to the cache dtype.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common import check_kv_pages, pdl_trigger
 
 
 @triton.jit
@@ -51,16 +51,6 @@ def _write_kv_kernel(
         tl.store(VCache + dst_offs, v.to(VCache.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _pdl_trigger(device: torch.device) -> bool:
-    extra = getattr(tl, "extra", None)
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] >= 9
-        and hasattr(getattr(extra, "cuda", None), "gdc_launch_dependents")
-    )
-
-
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
@@ -76,20 +66,15 @@ def write_kv(
     t, hkv, d = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, d):
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold [N, BS, {hkv}, {d}] pages")
+    check_kv_pages(k_cache, v_cache, hkv, d)
     if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64:
         raise ValueError(
             f"slot_mapping must be int64 [{t}], got {slot_mapping.dtype} "
             f"{tuple(slot_mapping.shape)}"
         )
-    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1:
-        raise ValueError("the head dim of k, v and the caches must be contiguous")
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("the head dim of k and v must be contiguous")
     page = k_cache.shape[1]
-    if page & (page - 1):
-        raise ValueError(f"page size {page} must be a power of two")
     if t == 0:
         return
     _write_kv_kernel[(t,)](
@@ -98,6 +83,6 @@ def write_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=hkv, HEAD_DIM=d, PAGE=page,
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-        PDL=_pdl_trigger(k.device),
+        PDL=pdl_trigger(k.device),
         num_warps=4 if hkv * d >= 1024 else 2,
     )  # fmt: skip

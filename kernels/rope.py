@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import _pdl_trigger
+from kernels.common import check_kv_pages, pdl_trigger
 
 
 @triton.jit
@@ -111,18 +111,12 @@ def rope_write_kv(
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, {(num_heads + 2 * num_kv_heads) * d}] with "
                          f"contiguous rows; got {tuple(qkv.shape)}")  # fmt: skip
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.dim() != 4 or k_cache.shape[2] != num_kv_heads or k_cache.stride(3) != 1:
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold [N, BS, {num_kv_heads}, "
-                         f"{d}] pages with a contiguous head dim")  # fmt: skip
+    check_kv_pages(k_cache, v_cache, num_kv_heads, d)
     if d % 2 or cos.shape[1:] != (d // 2,) or sin.shape != cos.shape or cos.stride(1) != 1:
         raise ValueError(f"cos and sin must be [P, {d // 2}]; got {tuple(cos.shape)}")
     if positions.shape != (t,) or slot_mapping.shape != (t,):
         raise ValueError(f"positions and slot_mapping must be [{t}]")
     page = k_cache.shape[1]
-    if page & (page - 1):
-        raise ValueError(f"page size {page} must be a power of two")
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
@@ -134,7 +128,7 @@ def rope_write_kv(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        PDL=_pdl_trigger(qkv.device),
+        PDL=pdl_trigger(qkv.device),
         num_warps=4 if num_heads * d >= 2048 else 2,
         enable_fp_fusion=False,  # a fused multiply-add would skip a rounding torch does
     )  # fmt: skip

@@ -1,0 +1,64 @@
+"""Launch-side helpers shared by the Triton kernels: device facts, PDL support, the paged cache
+checks, and the zeroed counters of in-kernel merges."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton.language as tl
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: keep grids small
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def pdl_trigger(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` can let a PDL-launched successor start early (sm_90+)."""
+    extra = getattr(tl, "extra", None)
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and hasattr(getattr(extra, "cuda", None), "gdc_launch_dependents")
+    )
+
+
+def check_kv_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, hkv: int, d: int) -> None:
+    """K and V pools ``[N, PAGE, Hkv, D]`` of one layout, contiguous head dim, PAGE a power of
+    two; ValueError otherwise."""
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, d) or k_cache.stride(3) != 1:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold [N, BS, {hkv}, {d}] pages "
+                         "with a contiguous head dim")  # fmt: skip
+    page = k_cache.shape[1]
+    if page & (page - 1):
+        raise ValueError(f"page size {page} must be a power of two")
+
+
+class SplitCounters(dict):
+    """Zeroed int32 counters, kept per device, for kernels whose last program of a group merges
+    the group's partials (it finds out with an atomic add, then resets its counter). Every
+    launch leaves them zero, so CUDA graphs replay with them; calls on one device must not
+    overlap in time (one stream, as in the engine)."""
+
+    def __init__(self, kernel: str, min_size: int):
+        super().__init__()
+        self.kernel = kernel
+        self.min_size = min_size
+
+    def take(self, device: torch.device, n: int) -> torch.Tensor:
+        buf = self.get(device)
+        if buf is None or buf.numel() < n:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self.kernel}: run it once outside CUDA-graph capture first (it allocates "
+                    f"{n} split counters)"
+                )
+            buf = torch.zeros(max(n, self.min_size), dtype=torch.int32, device=device)
+            self[device] = buf
+        return buf
