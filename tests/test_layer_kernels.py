@@ -4,8 +4,9 @@ KV store, SiLU-and-multiply) against ``kernels.reference``, which rounds as Hugg
 Without a GPU they run in Triton's interpreter in float32 and float16 (its bfloat16 casts do
 not round to nearest); with one, on it, in bfloat16 too. The residual sums, the RoPE outputs
 and the stored K/V must be equal bit for bit; the norm and the SiLU may differ from torch by
-one unit in the last place (the order of a float32 sum, the float32 ``exp``), and are also
-checked against float64 math.
+two units in the last place (the order of a float32 sum, the float32 ``exp``: an ulp of the
+rounded intermediate, scaled by the weight or by ``up``), and are also checked against float64
+math.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-def assert_within_ulp(out: torch.Tensor, ref: torch.Tensor, what: str, f32_ulps: int = 4) -> None:
+def assert_within_ulp(
+    out: torch.Tensor, ref: torch.Tensor, what: str, f32_ulps: int = 4, half_ulps: int = 1
+) -> None:
     """Same dtype and shape, and every element within one unit in the last place of ``ref``
     (float32: ``f32_ulps``, as float32 results are not rounded again and the float32 rsqrt
     and exp differ between libraries: Triton's exp on the GPU is the fast approximate one)."""
     assert out.dtype == ref.dtype and out.shape == ref.shape, what
     info = torch.finfo(ref.dtype)
-    ulps = f32_ulps if ref.dtype == torch.float32 else 1
+    ulps = f32_ulps if ref.dtype == torch.float32 else half_ulps
     diff = (out.double() - ref.double()).abs()
     tol = ref.double().abs() * info.eps * ulps + info.tiny
     bad = ~(diff <= tol)
@@ -55,11 +58,13 @@ def test_rms_norm_matches_reference(dtype, hidden):
     res = torch.randn(t, hidden, device=DEVICE).to(dtype)
     w = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
     eps = 1e-5
-    assert_within_ulp(rms_norm(x, w, eps), reference.rms_norm(x, w, eps), "rms_norm")
+    # an ulp of the rounded normalised row, times the weight, can be two ulps of the output
+    ref = reference.rms_norm(x, w, eps)
+    assert_within_ulp(rms_norm(x, w, eps), ref, "rms_norm", half_ulps=2)
     out, new_res = add_rms_norm(x, res, w, eps)
     ref_out, ref_res = reference.add_rms_norm(x, res, w, eps)
     assert torch.equal(new_res, ref_res), "the residual sum must be bit-exact"
-    assert_within_ulp(out, ref_out, "add_rms_norm")
+    assert_within_ulp(out, ref_out, "add_rms_norm", half_ulps=2)
     # and the math itself, in float64 (bf16: a few ulps from the two roundings)
     s = ref_res.double()
     exact = w.double() * s / (s.pow(2).mean(-1, keepdim=True) + eps).sqrt()
@@ -80,7 +85,7 @@ def test_rms_norm_strided_rows_and_empty():
 def test_silu_and_mul_matches_reference(dtype, inter):
     x = (torch.randn(3, 2 * inter, device=DEVICE) * 4).to(dtype)
     out = silu_and_mul(x)
-    assert_within_ulp(out, reference.silu_and_mul(x), "silu_and_mul", f32_ulps=16)
+    assert_within_ulp(out, reference.silu_and_mul(x), "silu_and_mul", f32_ulps=16, half_ulps=2)
     g, u = x.double().chunk(2, dim=-1)
     exact = g * torch.sigmoid(g) * u
     assert torch.allclose(out.double(), exact, rtol=3 * torch.finfo(dtype).eps, atol=1e-6)
