@@ -60,6 +60,21 @@ def test_prompts_have_the_asked_token_counts():
         assert len(tok.encode(make_prompt(n, rng, tok))) == n
 
 
+def test_prompts_sized_by_the_default_model_named_as_info_names_it():
+    """A server on the default model reports its GGUF's stem in /info; bench serve must find
+    that tokenizer rather than estimate prompt lengths."""
+    from flashserve.loader import DEFAULT_FILE, default_model_path
+    from flashserve.tokenizer import Tokenizer
+
+    tok = load_tokenizer(DEFAULT_FILE.removesuffix(".gguf"))
+    reference = Tokenizer.from_gguf(default_model_path())
+    text = make_prompt(300, random.Random(1), tok)
+    assert len(tok.encode(text)) == 300
+    assert tok.encode(text) == reference.encode(text)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_tokenizer("SmolLM2-135M-Instruct")
+
+
 # ---- bench decode --------------------------------------------------------------------------
 
 

@@ -33,7 +33,9 @@ class TokenizerLike(Protocol):
 
 def load_tokenizer(spec: str) -> TokenizerLike:
     """The tokenizer of a model spec (``dummy:<preset>``, a Hugging Face directory, a
-    ``.gguf`` file) without its weights; ValueError when the spec names none of these."""
+    ``.gguf`` file, or the default model's name as a server's /info gives it) without its
+    weights; ValueError when the spec names none of these."""
+    from flashserve.loader import DEFAULT_FILE, default_model_path
     from flashserve.tokenizer import Tokenizer
 
     if spec.startswith("dummy:"):
@@ -41,6 +43,8 @@ def load_tokenizer(spec: str) -> TokenizerLike:
 
         c = preset_config(spec.removeprefix("dummy:"))
         return Tokenizer.byte_level(c.vocab_size, c.bos_token_id, c.eos_token_ids[0])
+    if spec == Path(DEFAULT_FILE).stem:
+        return Tokenizer.from_gguf(default_model_path())
     path = Path(spec).expanduser()
     if path.is_dir():
         return Tokenizer.from_dir(path)
