@@ -57,15 +57,22 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks ``seq`` must gain to hold its computed tokens plus ``num_new_tokens``."""
-        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_table))
+        return self.blocks_to_hold(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def blocks_to_hold(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks ``seq`` must gain for its table to hold ``num_tokens`` tokens."""
+        return max(0, self.num_blocks_for(num_tokens) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_new_tokens`` more tokens than it has computed."""
-        needed = self.blocks_needed(seq, num_new_tokens)
+        self.grow(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow ``seq.block_table`` to hold ``num_tokens`` tokens."""
+        needed = self.blocks_to_hold(seq, num_tokens)
         if needed > len(self._free):
             raise RuntimeError(f"out of KV blocks: {seq} needs {needed}, {len(self._free)} free")
         for _ in range(needed):

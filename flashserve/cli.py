@@ -63,6 +63,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=None,
+        help="queue each greedy decode step on the device before the host has read the one "
+        "before it, hiding the host's work between steps",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -107,9 +107,11 @@ class DecodeGraphs:
             and host.block_tables.shape[1] <= self.max_blocks
         )
 
-    def run(self, host) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, host, source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the step: logits [B, V] float32 and the greedy picks [2, bucket] float64 (the
-        whole bucket: read back as it is, one contiguous copy; rows past B are padding)."""
+        whole bucket: read back as it is, one contiguous copy; rows past B are padding).
+        With ``source`` (token ids on the device), ``host.input_ids`` are indices into it: the
+        input tokens are gathered there, after the copy."""
         b = len(host.q_lens)
         bucket = next(x for x in self.buckets if x >= b)
         self._copied.synchronize()  # the pinned buffers are free once last step's copies are
@@ -117,6 +119,9 @@ class DecodeGraphs:
         packed[:, :b] = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens)
         packed[:, b:] = ((0,), (0,), (-1,), (1,))  # padding rows: KV length 1, nothing written
         self.inputs[: 4 * bucket].copy_(self._host_inputs[: 4 * bucket], non_blocking=True)
+        if source is not None:
+            ids = self.inputs[:b]
+            ids.copy_(source[ids])
         self._copy_tables(host.block_tables)
         self._copied.record()
         graph, logits, greedy = self.graphs[bucket]

@@ -1,7 +1,15 @@
 """The engine: requests in, one scheduled step at a time, tokens out.
 
-``LLMEngine`` is single-threaded and synchronous; ``LLM`` drives it to completion for a list of
-prompts; ``flashserve.async_llm.AsyncLLM`` runs it on its own thread for the server.
+``LLMEngine`` is single-threaded; ``LLM`` drives it to completion for a list of prompts;
+``flashserve.async_llm.AsyncLLM`` runs it on its own thread for the server.
+
+With ``async_scheduling`` the engine keeps one decode step queued on the device ahead of the
+host: while the GPU computes step n, the host reads back step n-1, appends its tokens, checks
+stops and hands the outputs on, having already queued step n+1, whose input tokens the device
+takes from step n's picks. That holds while the batch stays a decode without logprobs or
+penalties: a row that a stop ends is computed once more for nothing and dropped; new requests,
+logprobs, penalties or a full KV pool end the overlap, and the step after runs as
+``schedule()`` plans it.
 """
 
 from __future__ import annotations
@@ -17,11 +25,12 @@ from flashserve.block_manager import BlockManager
 from flashserve.config import EngineConfig
 from flashserve.detokenizer import IncrementalDetokenizer
 from flashserve.loader import load_model
-from flashserve.model_runner import ModelRunner, SampledToken
+from flashserve.model_runner import Launched, ModelRunner, SampledToken
 from flashserve.outputs import Completion, RequestOutput, TokenOutput
+from flashserve.sampler import Sampler
 from flashserve.sampling_params import SamplingParams
-from flashserve.scheduler import Scheduler
-from flashserve.sequence import FinishReason, Sequence
+from flashserve.scheduler import Scheduler, SchedulerOutput
+from flashserve.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +44,14 @@ class Request:
     detokenizer: IncrementalDetokenizer
     text: str = ""
     stop_string_hit: bool = False
+
+
+@dataclass
+class _InFlight:
+    """A step queued on the device whose tokens the host has not read yet."""
+
+    launched: Launched
+    sched: SchedulerOutput | None  # the scheduler's plan, or None for a step queued ahead of it
 
 
 class LLMEngine:
@@ -60,6 +77,7 @@ class LLMEngine:
         self._by_seq: dict[int, Request] = {}
         self._seed_rng = random.Random(self.config.seed)
         self._max_stop_len = 0
+        self._in_flight: _InFlight | None = None
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -122,6 +140,7 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with an error (after a failed step); the engine carries on."""
+        self._in_flight = None  # its tokens, if it ever completes, go nowhere
         outs = []
         for req in list(self.requests.values()):
             self.scheduler.abort(req.seq.seq_id)
@@ -135,15 +154,65 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, append the sampled tokens; outputs of requests that got a
-        token (or finished)."""
+        token (or finished). With ``async_scheduling``, the outputs of a decode step come from
+        the ``step()`` call after the one that queued it."""
+        prev = self._in_flight
+        if prev is not None:
+            self._in_flight = self._queue_next(prev)
+            return self._collect(prev)
         sched = self.scheduler.schedule()
         outputs = [self._fail(self._by_seq[s.seq_id], s.error) for s in sched.errored]
         if sched.is_empty:
             return outputs
         sampling = [s for s in sched.seqs if s.samples_this_step]
+        if self.config.async_scheduling and _overlappable(sched):
+            launched = self.runner.launch(sched.seqs, self.runner.prepare(sched.seqs))
+            self._in_flight = _InFlight(launched, sched)
+            return outputs
         tokens = self.runner.execute(sched.seqs)
         self.scheduler.update(sched)
         outputs += [self._append(self._by_seq[s.seq_id], t) for s, t in zip(sampling, tokens)]
+        return outputs
+
+    def _queue_next(self, prev: _InFlight) -> _InFlight | None:
+        """Queue the decode step after ``prev`` before reading ``prev``'s tokens: for every
+        sequence of ``prev`` still running that its token cannot take to a length limit. None
+        (the overlap ends) when requests wait to be admitted, a running sequence is not in
+        ``prev``, or the KV pool lacks a block."""
+        sched = self.scheduler
+        if sched.num_waiting:
+            return None
+        seqs = prev.launched.seqs
+        running = [s for s in seqs if s.status is SequenceStatus.RUNNING]
+        if len(running) != sched.num_running:
+            return None
+        # prev's token is the one not appended yet: after it a sequence holds num_tokens + 1
+        rows = [i for i, s in enumerate(seqs) if s.status is SequenceStatus.RUNNING
+                and s.num_output_tokens + 1 < s.params.max_new_tokens
+                and s.num_tokens + 1 < self.max_model_len]  # fmt: skip
+        if not rows:
+            return None
+        nxt = [seqs[i] for i in rows]
+        bm = self.block_manager
+        if sum(bm.blocks_to_hold(s, s.num_tokens + 1) for s in nxt) > bm.num_free_blocks:
+            return None
+        for s in nxt:
+            bm.grow(s, s.num_tokens + 1)
+        host = self.runner.prepare_ahead(nxt, rows)
+        return _InFlight(self.runner.launch(nxt, host, prev.launched), None)
+
+    def _collect(self, fl: _InFlight) -> list[RequestOutput]:
+        """Read a queued step's tokens and append them to the sequences still running."""
+        tokens = fl.launched.tokens()
+        if fl.sched is not None:
+            self.scheduler.update(fl.sched)
+        outputs = []
+        for seq, tok in zip(fl.launched.seqs, tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # stopped by an earlier token, or aborted, while this step ran
+            if fl.sched is None:
+                seq.num_computed_tokens += 1
+            outputs.append(self._append(self._by_seq[seq.seq_id], tok))
         return outputs
 
     def _fail(self, req: Request, error: str | None) -> RequestOutput:
@@ -212,6 +281,12 @@ class LLMEngine:
             seed=seq.params.seed,
             prompt_token_ids=seq.prompt_token_ids,
         )
+
+
+def _overlappable(sched: SchedulerOutput) -> bool:
+    """A step the engine may queue without waiting: every sequence decodes one token, with no
+    logprobs or penalties (the sampler needs no token the host has not read)."""
+    return sched.num_decodes == len(sched.seqs) and Sampler.overlappable(sched.seqs)
 
 
 class LLM:

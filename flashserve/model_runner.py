@@ -51,6 +51,28 @@ class SampledToken:
     top: list[tuple[int, float]] | None  # (id, logprob) best first, when logprobs were asked
 
 
+@dataclass
+class Launched:
+    """A decode step queued on the device, not waited for (``ModelRunner.launch``).
+
+    ``picks`` holds each row's token id and its log-probability, on the device, for the next
+    step to take its input tokens from; ``host`` receives a copy of it, complete once ``done``
+    has fired (None: already complete, on the CPU).
+    """
+
+    seqs: list[Sequence]
+    picks: torch.Tensor  # [2, >= B] float64 on the device: token ids, logprobs
+    host: torch.Tensor  # [2, >= B] float64, pinned on CUDA
+    done: torch.cuda.Event | None
+
+    def tokens(self) -> list[SampledToken]:
+        """Wait for the step; its tokens in the order of ``seqs``."""
+        if self.done is not None:
+            self.done.synchronize()
+        ids, logprobs = self.host[:, : len(self.seqs)].tolist()
+        return [SampledToken(int(i), lp, None) for i, lp in zip(ids, logprobs)]
+
+
 class ModelRunner:
     """Holds the model and its KV cache; ``execute`` runs one scheduled step."""
 
@@ -71,6 +93,8 @@ class ModelRunner:
         model.ensure_positions(self.max_model_len)
         self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device)
+        self._landing = self._landing_buffers()
+        self._num_launched = 0
         self.graphs = None
         if self.device.type == "cuda" and config.attention_backend == "triton":
             if not config.enforce_eager:
@@ -93,6 +117,14 @@ class ModelRunner:
         # values; on the CPU, empty keeps the untouched pool out of resident memory
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
         return alloc(shape, dtype=self.config.torch_dtype, device=self.device)
+
+    def _landing_buffers(self) -> list[torch.Tensor]:
+        """Two pinned [2, max_num_seqs] float64 buffers that launched steps copy their picks
+        into, in turn: a step's copy never lands on the one the step before it left unread."""
+        if self.device.type != "cuda":
+            return []
+        shape = (2, self.config.max_num_seqs)
+        return [torch.zeros(shape, dtype=torch.float64, pin_memory=True) for _ in range(2)]
 
     def _plan_num_blocks(self) -> int:
         """Blocks in the KV pool: --max-kv-tokens, else what free memory allows."""
@@ -168,6 +200,25 @@ class ModelRunner:
             sample_rows=sample_rows,
         )
 
+    def prepare_ahead(self, seqs: list[Sequence], rows: list[int]) -> HostInputs:
+        """Inputs of a decode step queued while the step before it still runs: each sequence
+        computes position ``num_tokens``, the token that step picks in row ``rows[i]`` (the
+        input ids hold those rows; ``launch`` gathers the tokens on the device). Block tables
+        must already hold that position."""
+        bs = self.block_size
+        positions = [s.num_tokens for s in seqs]
+        b = len(seqs)
+        return HostInputs(
+            input_ids=rows,
+            positions=positions,
+            slot_mapping=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+            seq_lens=[p + 1 for p in positions],
+            q_lens=[1] * b,
+            block_tables=_pad_tables([s.block_table for s in seqs]),
+            num_decodes=b,
+            sample_rows=list(range(b)),
+        )
+
     def to_device(self, host: HostInputs) -> StepInputs:
         dev = self.device
         tensor = lambda x, dt: torch.as_tensor(x, dtype=dt).to(dev, non_blocking=True)
@@ -216,6 +267,40 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V] fp32
         out = self.sampler(logits, self.sampler.prepare(sampling))
         return _to_host(out)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], host: HostInputs, after: Launched | None = None
+               ) -> Launched:  # fmt: skip
+        """Queue a decode-only step and return without waiting for it. Every row decodes one
+        token, without penalties or top logprobs (``Sampler.overlappable``).
+
+        With ``after`` (the step queued before this one, whose tokens the host has not read),
+        ``host`` comes from ``prepare_ahead``: row i's input token is the one ``after`` picks
+        in row ``host.input_ids[i]``, gathered on the device."""
+        source = None if after is None else after.picks[0]
+        greedy = Sampler.plain_greedy(seqs)
+        # the sampler's inputs go first: their copy then never waits for this step's forward
+        batch = None if greedy else self.sampler.prepare(seqs, ahead=after is not None)
+        if self.graphs is not None and self.graphs.can_run(host):
+            logits, picks = self.graphs.run(host, source)
+        else:
+            inputs = self.to_device(host)
+            if source is not None:
+                inputs.input_ids.copy_(source[inputs.input_ids])
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            greedy, batch = False, batch or self.sampler.prepare(seqs)
+        if not greedy:
+            out = self.sampler(logits, batch)
+            picks = torch.stack((out.token_ids.double(), out.logprobs.double()))
+        if self.device.type != "cuda":
+            return Launched(seqs, picks, picks, None)
+        landing = self._landing[self._num_launched % 2][:, : picks.shape[1]]
+        self._num_launched += 1
+        landing.copy_(picks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(seqs, picks, landing, done)
 
 
 def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:

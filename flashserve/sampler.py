@@ -138,21 +138,28 @@ class Sampler:
     def plain_greedy(seqs: list[Sequence]) -> bool:
         """Every row greedy, without penalties or top logprobs: its token is the argmax of the
         raw logits and its logprob the log-softmax there, which a CUDA graph computes itself."""
+        return all(is_greedy(s) for s in seqs) and Sampler.overlappable(seqs)
+
+    @staticmethod
+    def overlappable(seqs: list[Sequence]) -> bool:
+        """No row needs a token the host has not read yet (penalties) or top logprobs: a step
+        can then be queued before the host reads the one before it."""
         return all(
-            is_greedy(s)
-            and not s.params.logprobs
+            not s.params.logprobs
             and s.params.repetition_penalty == 1.0
             and s.params.presence_penalty == 0.0
             and s.params.frequency_penalty == 0.0
             for s in seqs
         )
 
-    def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
-        """Host -> device, in one copy: per-row parameters and, if used, penalty histories."""
+    def prepare(self, seqs: list[Sequence], ahead: bool = False) -> SamplingBatch:
+        """Host -> device, in one copy: per-row parameters and, if used, penalty histories.
+        ``ahead``: each row's last token is still on the device (a step queued ahead), so the
+        token sampled is one further than ``num_tokens`` says."""
         sampled = [i for i, s in enumerate(seqs) if not is_greedy(s)]
         packer = Packer()
         if sampled:
-            pack_sampling(packer, seqs, sampled)
+            pack_sampling(packer, seqs, sampled, int(ahead))
         has_penalties = pack_penalties(packer, seqs, self._tokens)
         t = packer.upload(self._staging)
         ps = [seqs[i].params for i in sampled]

@@ -75,7 +75,7 @@ def is_greedy(seq: Sequence) -> bool:
     return seq.params.temperature < _MIN_TEMPERATURE
 
 
-def pack_sampling(packer: Packer, seqs: list[Sequence], rows: list[int]) -> None:
+def pack_sampling(packer: Packer, seqs: list[Sequence], rows: list[int], ahead: int = 0) -> None:
     ps = [seqs[i].params for i in rows]
     if any(p.seed is None for p in ps):
         raise ValueError("every sampled sequence needs params.seed (the engine sets it)")
@@ -83,9 +83,10 @@ def pack_sampling(packer: Packer, seqs: list[Sequence], rows: list[int]) -> None
         "floats",
         float_bits([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]]),
     )
+    steps = [seqs[i].num_tokens + ahead for i in rows]  # the position of each token sampled
     packer.add(
         "ints",
-        np.array([[p.top_k for p in ps], [p.seed for p in ps], [seqs[i].num_tokens for i in rows]]),
+        np.array([[p.top_k for p in ps], [p.seed for p in ps], steps]),
     )
     if len(rows) < len(seqs):
         packer.add("rows", np.array(rows))

@@ -111,3 +111,29 @@ def test_cuda_graphs_equal_eager_across_batch_sizes():
     eager = _generate(prompts, params, enforce_eager=True, dtype="float32", max_num_seqs=16)
     graphs = _generate(prompts, params, enforce_eager=False, dtype="float32", max_num_seqs=16)
     assert graphs == eager
+
+
+def test_async_scheduling_equals_the_plain_engine_under_cuda_graphs():
+    """Decode steps queued ahead under CUDA graphs (input tokens taken on the device from the
+    step before, rows dropped after stops and at length limits, greedy and seeded sampling)
+    give the plain engine's tokens (fp32), and every KV block comes back."""
+    prompts = [[random.randrange(3, 49000) for _ in range(random.randint(1, 700))]
+               for _ in range(12)]  # fmt: skip
+    params = [SamplingParams(max_new_tokens=random.randint(1, 40), temperature=0, ignore_eos=True)
+              for _ in prompts]  # fmt: skip
+    plain = _generate(prompts, params, dtype="float32", max_num_seqs=16)
+    for i in (2, 5):  # stop two of them on a token they generate
+        if len(plain[i]) > 3:
+            params[i] = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True,
+                                       stop_token_ids=[plain[i][3]])  # fmt: skip
+    for i in (7, 9):  # and sample two, seeded (the sampler runs on the graph's logits)
+        params[i] = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=i,
+                                   ignore_eos=True)  # fmt: skip
+    plain = _generate(prompts, params, dtype="float32", max_num_seqs=16)
+    llm = LLM(_config(dtype="float32", max_num_seqs=16, async_scheduling=True))
+    assert llm.engine.runner.graphs is not None
+    got = [c.token_ids for c in llm.generate(prompts, params)]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    _release(llm)
+    assert got == plain

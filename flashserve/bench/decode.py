@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": config.dtype,
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
+            "async_scheduling": config.async_scheduling,
             "copy_bandwidth_gbs": bandwidth / 1e9,
             "weight_bytes_read": weights,
             "kv_bytes_per_token": kv_per_token,
