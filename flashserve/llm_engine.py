@@ -284,9 +284,15 @@ class LLMEngine:
 
 
 def _overlappable(sched: SchedulerOutput) -> bool:
-    """A step the engine may queue without waiting: every sequence decodes one token, with no
+    """A step the engine may queue without waiting: every sequence computes its last token and
+    samples the next (a one-token prefill chunk that samples nothing is not one), with no
     logprobs or penalties (the sampler needs no token the host has not read)."""
-    return sched.num_decodes == len(sched.seqs) and Sampler.overlappable(sched.seqs)
+    seqs = sched.seqs
+    return (
+        sched.num_decodes == len(seqs)
+        and all(s.samples_this_step for s in seqs)
+        and Sampler.overlappable(seqs)
+    )
 
 
 class LLM:

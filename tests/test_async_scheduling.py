@@ -206,3 +206,15 @@ def test_async_llm_streams_with_async_scheduling():
         assert asyncio.run(main()) == expected
     finally:
         engine.shutdown()
+
+
+def test_a_one_token_prefill_chunk_among_decodes_is_not_queued_as_a_decode():
+    """With a tight token budget the newest sequence can get a prefill chunk of one token that
+    samples nothing, in a step whose other rows decode: that step runs as planned."""
+    prompts = [[5], [6], [7], list(range(10, 30))]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    expected = [c.token_ids for c in _llm(max_num_batched_tokens=4).generate(prompts, params)]
+    overlapped = _llm(max_num_batched_tokens=4, async_scheduling=True)
+    got = [c.token_ids for c in overlapped.generate(prompts, params)]
+    assert got == expected
+    assert _all_blocks_free(overlapped)
