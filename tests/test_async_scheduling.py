@@ -79,7 +79,7 @@ def test_greedy_tokens_equal_the_plain_engine_with_lengths_and_stops():
     # queued-ahead rows: none for a sequence's first token (its prefill) or its first decode
     # step (scheduled), one per later token, plus one computed for nothing after a stop token;
     # never one past the length limit, which is known ahead
-    assert len(rows_of) == sum(len(c.token_ids) > 2 for c in got)
+    assert len(rows_of) >= sum(len(c.token_ids) > 2 for c in got)
     for seq, n in rows_of.items():
         extra = seq.finish_reason != "length"
         assert n <= seq.num_output_tokens - 2 + extra, (seq, seq.finish_reason, n)
