@@ -67,8 +67,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action="store_true",
         default=None,
-        help="queue each greedy decode step on the device before the host has read the one "
-        "before it, hiding the host's work between steps",
+        help="queue each decode step on the device before the host has read the one "
+        "before it, hiding the host's work between steps (not with penalties or logprobs)",
     )
 
 
