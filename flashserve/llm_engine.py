@@ -183,8 +183,7 @@ class LLMEngine:
         if sched.num_waiting:
             return None
         seqs = prev.launched.seqs
-        running = [s for s in seqs if s.status is SequenceStatus.RUNNING]
-        if len(running) != sched.num_running:
+        if sum(s.status is SequenceStatus.RUNNING for s in seqs) != sched.num_running:
             return None
         # prev's token is the one not appended yet: after it a sequence holds num_tokens + 1
         rows = [i for i, s in enumerate(seqs) if s.status is SequenceStatus.RUNNING

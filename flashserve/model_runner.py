@@ -260,13 +260,23 @@ class ModelRunner:
                 ids, logprobs = greedy.tolist()  # the step's one device -> host copy
                 return [SampledToken(int(i), lp, None) for i, lp in zip(ids, logprobs[: len(seqs)])]
         else:
-            inputs = self.to_device(host)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if not sampling:
+            logits = self._forward_eager(host)
+            if logits is None:
                 return []
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V] fp32
         out = self.sampler(logits, self.sampler.prepare(sampling))
         return _to_host(out)
+
+    def _forward_eager(self, host: HostInputs, source: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:  # fmt: skip
+        """The model without a graph: logits [N, V] fp32 of the sampled rows, None when no
+        row samples. ``source``: input ids are indices into it (see ``launch``)."""
+        inputs = self.to_device(host)
+        if source is not None:
+            inputs.input_ids.copy_(source[inputs.input_ids])
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not host.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_indices])
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], host: HostInputs, after: Launched | None = None
@@ -278,19 +288,15 @@ class ModelRunner:
         ``host`` comes from ``prepare_ahead``: row i's input token is the one ``after`` picks
         in row ``host.input_ids[i]``, gathered on the device."""
         source = None if after is None else after.picks[0]
-        greedy = Sampler.plain_greedy(seqs)
+        use_graph = self.graphs is not None and self.graphs.can_run(host)
+        graph_picks = use_graph and Sampler.plain_greedy(seqs)  # the graph's greedy picks
         # the sampler's inputs go first: their copy then never waits for this step's forward
-        batch = None if greedy else self.sampler.prepare(seqs, ahead=after is not None)
-        if self.graphs is not None and self.graphs.can_run(host):
+        batch = None if graph_picks else self.sampler.prepare(seqs, ahead=after is not None)
+        if use_graph:
             logits, picks = self.graphs.run(host, source)
         else:
-            inputs = self.to_device(host)
-            if source is not None:
-                inputs.input_ids.copy_(source[inputs.input_ids])
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            greedy, batch = False, batch or self.sampler.prepare(seqs)
-        if not greedy:
+            logits = self._forward_eager(host, source)
+        if not graph_picks:
             out = self.sampler(logits, batch)
             picks = torch.stack((out.token_ids.double(), out.logprobs.double()))
         if self.device.type != "cuda":
