@@ -289,7 +289,8 @@ def prefill_table(sizes) -> list[dict]:
 
 
 DECODE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages); the first is decode_config's default
-    (64, 4, 3), (64, 4, 2), (32, 4, 3), (64, 4, 4), (32, 4, 2), (64, 8, 3),
+    (64, 4, 4), (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (64, 8, 3), (64, 8, 4),
+    (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
 ]  # fmt: skip
 PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
@@ -301,14 +302,22 @@ PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
 }  # fmt: skip
 SWEEP_POINTS = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384),
                 (32, 4096), (32, 131072)]  # fmt: skip
-SWEEPS = ("decode-config", "fuse", "pdl", "layout", "splits", "page", "prefill")
+SWEEPS = ("decode-config", "loads", "fuse", "pdl", "layout", "splits", "page", "prefill")
+LOAD_VARIANTS = {  # name: decode._KV_LOADS (cache modifier, eviction policy, V after softmax)
+    "default": ("", "", False),
+    ".cg": (".cg", "", False),
+    "evict_first": ("", "evict_first", False),
+    ".cg evict_first": (".cg", "evict_first", False),
+    "V late": ("", "", True),
+}
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def sweep(which: list[str], points=None) -> list[dict]:
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
-    decode-config: stage-1 (BLOCK_N, warps, stages); fuse: the merge in stage 1's last
+    decode-config: stage-1 (BLOCK_N, warps, stages); loads: K/V load cache modifier and
+    eviction policy, V loaded after the softmax, beside SDPA; fuse: the merge in stage 1's last
     program per (sequence, KV head) or in a second kernel; pdl: programmatic dependent launch
     on or off; layout: the same KV bytes placed differently: [N, BS, Hkv, D] pages shuffled or
     in order, or one KV head per sequence (a head's rows contiguous within a page: the layout
@@ -330,6 +339,13 @@ def sweep(which: list[str], points=None) -> list[dict]:
         for bsz, ctx in pts:
             for cfg in DECODE_CONFIGS:
                 rec("decode-config", bsz, ctx, cfg, attempt(time_ours, bsz, ctx, config=cfg))
+    if "loads" in which:
+        for bsz, ctx in pts:
+            rec("loads", bsz, ctx, "SDPA (contiguous)", attempt(time_sdpa, bsz, ctx))
+            for name, loads in LOAD_VARIANTS.items():
+                decode._KV_LOADS = loads
+                rec("loads", bsz, ctx, name, attempt(time_ours, bsz, ctx))
+        decode._KV_LOADS = LOAD_VARIANTS["default"]
     if "fuse" in which:
         for bsz, ctx in pts:
             for name, fused in (("fused", True), ("combine kernel", False)):

@@ -165,6 +165,9 @@ def _decode_split_kernel(
     MERGE_H: tl.constexpr,
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_CACHE: tl.constexpr = "",
+    KV_EVICT: tl.constexpr = "",
+    V_LATE: tl.constexpr = False,
 ):
     if PDL:  # a separate combine may be scheduled now; it waits for this grid's results itself
         tl.extra.cuda.gdc_launch_dependents()
@@ -206,14 +209,25 @@ def _decode_split_kernel(
         kv_mask = kv < end
         row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
         ld_mask = kv_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)  # [BN, BD]
-        v = tl.load(V + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)  # [BN, BD]
+        k_ptrs = K + row[:, None] + offs_d[None, :]
+        v_ptrs = V + row[:, None] + offs_d[None, :]
+        k = tl.load(
+            k_ptrs, mask=ld_mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
+        )
+        if not V_LATE:
+            v = tl.load(
+                v_ptrs, mask=ld_mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
+            )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN], log2
         s = tl.where(kv_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if V_LATE:
+            v = tl.load(
+                v_ptrs, mask=ld_mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
+            )
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
         pages = nxt
@@ -310,6 +324,8 @@ _FUSE_COMBINE = True
 # so a trigger would only overlap back-to-back decode calls, which happen in benchmarks alone.
 _USE_PDL = True
 _PDL_STAGE1 = True
+# K/V tile loads: (cache modifier, eviction policy, V loaded after the softmax); tuning only.
+_KV_LOADS = ("", "", False)
 
 
 def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
@@ -491,6 +507,7 @@ def _launch(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_CACHE=_KV_LOADS[0], KV_EVICT=_KV_LOADS[1], V_LATE=_KV_LOADS[2],
         num_warps=num_warps, num_stages=num_stages, **stage1_extra,
     )  # fmt: skip
     if direct or fused:
