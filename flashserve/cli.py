@@ -65,10 +65,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="queue each decode step on the device before the host has read the one "
-        "before it, hiding the host's work between steps (not with penalties or logprobs)",
+        "before it, hiding the host's work between steps (steps with penalties or logprobs "
+        "run plainly); default: on with CUDA",
     )
 
 

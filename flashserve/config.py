@@ -37,7 +37,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
-    async_scheduling: bool = False  # queue the next decode step before reading this one
+    async_scheduling: bool | None = None  # queue decode step n+1 before reading step n; None: on CUDA
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
 
     def __post_init__(self) -> None:
@@ -55,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        if self.async_scheduling is None:  # on the CPU a step runs at once: nothing to overlap
+            self.async_scheduling = self.device.startswith("cuda")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -18,7 +18,10 @@ from flashserve.sampling_params import SamplingParams
 
 
 def _llm(**kwargs) -> LLM:
-    return LLM(EngineConfig(model="dummy:tiny", **{"max_num_seqs": 8, **kwargs}))
+    """dummy:tiny, plain unless asked (on CUDA async scheduling is the default), with a KV
+    pool of its own size, not the device's free memory (several engines live at once)."""
+    given = {"max_num_seqs": 8, "max_kv_tokens": 8192, "async_scheduling": False, **kwargs}
+    return LLM(EngineConfig(model="dummy:tiny", **given))
 
 
 def _count_ahead(llm: LLM, rows_of: dict | None = None) -> list[int]:

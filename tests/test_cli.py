@@ -105,3 +105,16 @@ def test_console_script_is_installed():
         pytest.skip("flashserve is not installed in this environment (make test installs it)")
     r = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, device, expected",
+    [([], "cpu", False), (["--async-scheduling"], "cpu", True),
+     (["--no-async-scheduling"], "cpu", False)],
+)  # fmt: skip
+def test_async_scheduling_flag_and_its_default(flag, device, expected):
+    """On by default only on CUDA (on the CPU a step runs at once); the flag turns it on or off."""
+    from flashserve.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["generate", "hi", *TINY, "--device", device, *flag])
+    assert engine_config_from_args(args).async_scheduling is expected

@@ -121,7 +121,7 @@ def test_async_scheduling_equals_the_plain_engine_under_cuda_graphs():
                for _ in range(12)]  # fmt: skip
     params = [SamplingParams(max_new_tokens=random.randint(1, 40), temperature=0, ignore_eos=True)
               for _ in prompts]  # fmt: skip
-    plain = _generate(prompts, params, dtype="float32", max_num_seqs=16)
+    plain = _generate(prompts, params, dtype="float32", max_num_seqs=16, async_scheduling=False)
     for i in (2, 5):  # stop two of them on a token they generate
         if len(plain[i]) > 3:
             params[i] = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True,
@@ -129,7 +129,7 @@ def test_async_scheduling_equals_the_plain_engine_under_cuda_graphs():
     for i in (7, 9):  # and sample two, seeded (the sampler runs on the graph's logits)
         params[i] = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=i,
                                    ignore_eos=True)  # fmt: skip
-    plain = _generate(prompts, params, dtype="float32", max_num_seqs=16)
+    plain = _generate(prompts, params, dtype="float32", max_num_seqs=16, async_scheduling=False)
     llm = LLM(_config(dtype="float32", max_num_seqs=16, async_scheduling=True))
     assert llm.engine.runner.graphs is not None
     got = [c.token_ids for c in llm.generate(prompts, params)]
