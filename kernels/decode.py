@@ -337,7 +337,7 @@ def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
     (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
     8 warps 1-31% slower (docs/benchmarks/kernels-notes.md)."""
     block_n = 64 if head_dim <= 128 else 32
-    return block_n, 4, 4
+    return block_n, 4, 3
 
 
 def programs_per_sm(config: tuple[int, int, int], head_dim: int, itemsize: int) -> int:
