@@ -245,6 +245,14 @@ def fits(bsz: int, ctx: int) -> bool:
     return kv_bytes(bsz, ctx) * 1.3 < free
 
 
+ROUNDS = 1 if SMOKE else 3  # decode grid: ours and SDPA timed this many times, alternated
+
+
+def _median(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def decode_grid(batches, contexts, copy_gbs, have_xf) -> list[dict]:
     rows = []
     for bsz in batches:
@@ -253,8 +261,12 @@ def decode_grid(batches, contexts, copy_gbs, have_xf) -> list[dict]:
                 print(f"  skip B={bsz} ctx={ctx}: does not fit")
                 continue
             r = {"batch": bsz, "context": ctx, "kv_mb": kv_bytes(bsz, ctx) / 1e6}
-            r["ours_us"] = attempt(time_ours, bsz, ctx)
-            r["sdpa_us"] = attempt(time_sdpa, bsz, ctx)
+            ours, sdpa = [], []
+            for _ in range(ROUNDS):  # alternated, so that drifting clocks hit both alike
+                ours.append(attempt(time_ours, bsz, ctx))
+                sdpa.append(attempt(time_sdpa, bsz, ctx))
+            r["ours_us"], r["sdpa_us"] = _median(ours), _median(sdpa)
+            r["ours_rounds"], r["sdpa_rounds"] = ours, sdpa
             r["xformers_us"], r["xformers_graph"] = None, None
             if have_xf:  # under a graph if its capture works, else plain launches (noted)
                 for graph in (True, False):
