@@ -37,7 +37,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
-    async_scheduling: bool | None = None  # queue decode step n+1 before reading step n; None: on CUDA
+    async_scheduling: bool | None = None  # queue step n+1 before reading step n; None: CUDA
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
 
     def __post_init__(self) -> None:

@@ -4,10 +4,13 @@ report correctly, not how fast anything is."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import json
 import math
 import random
+import time
 
 import httpx
 import pytest
@@ -327,3 +330,50 @@ def test_bench_decode_profile_writes_trace_and_table(tmp_path):
     table = (prof / "decode-24x2.txt").read_text()
     assert table.startswith("8 decode steps") and "aten::" in table
     assert summary["wall_us_per_step"] > 0 and summary["table"].endswith("decode-24x2.txt")
+
+
+def test_metrics_sampler_does_not_reuse_a_connection_the_server_may_be_closing():
+    """A server that drops a kept-alive connection when a second request arrives on it (what a
+    keep-alive timeout does to a request sent at the wrong moment): every scrape still reads,
+    because each goes out on a connection of its own."""
+    import socket
+    import threading
+
+    from flashserve.bench.server_metrics import MetricsSampler
+
+    body = b"flashserve_num_requests_running 3.0\n"
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                if not (chunk := conn.recv(4096)):
+                    return
+                data += chunk
+            conn.sendall(head + body)
+            conn.recv(4096)  # a second request on this connection: close without an answer
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    async def run() -> dict:
+        sampler = MetricsSampler(f"http://127.0.0.1:{port}", 0.05)
+        sampler.start(time.perf_counter())
+        await asyncio.sleep(0.3)
+        await sampler.stop()
+        return sampler.result(0.3)
+
+    try:
+        m = asyncio.run(run())
+    finally:
+        listener.close()
+    assert m["scrapes"] >= 4 and m["failed_scrapes"] == 0, m["error"]
+    assert {s["running"] for s in m["samples"]} == {3.0}

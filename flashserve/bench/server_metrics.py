@@ -43,7 +43,11 @@ class MetricsSampler:
         self.samples: list[dict[str, float]] = []
         self.failed = 0
         self.error: str | None = None  # the last failed scrape's
-        self._client = httpx.AsyncClient(timeout=10.0)  # apart from the load's connections
+        # Apart from the load's connections, and a new connection per scrape: a kept-alive one
+        # idle for about the period races the server closing it (uvicorn: after 5 s idle).
+        self._client = httpx.AsyncClient(
+            timeout=10.0, limits=httpx.Limits(max_keepalive_connections=0)
+        )
         self._t0 = 0.0
         self._task: asyncio.Task[None] | None = None
 
