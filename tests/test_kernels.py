@@ -180,6 +180,27 @@ def test_decode_split_vs_no_split(dtype):
     assert_close(lse1, ref_lse, LSE_TOL[dtype], "decode lse, one split")
 
 
+def test_decode_heuristic_runs_short_splits_with_one_stage_fewer(monkeypatch):
+    """Splits of at most _SHORT_SPLIT_TOKENS get (BLOCK_N, warps, stages - 1), longer ones the
+    default; an explicit config is never changed. The result is the same (GPU test)."""
+    from kernels import decode
+
+    seen = []
+    monkeypatch.setattr(decode, "_launch", lambda *a: seen.append(a[13]))
+    q = torch.randn(1, 8, 64, device=DEVICE).half()
+    kv = Paged([64], 2, 64, 16, torch.float16)
+    base = decode.decode_config(64, 4)
+    for max_len, sms in ((4096, 132), (8192, 132), (65536, 132), (65536, 1)):
+        monkeypatch.setattr(decode, "_num_sms", lambda _device, n=sms: n)
+        decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.125, max_seq_len=max_len)
+        splits = decode.num_splits_for(1, 2, max_len, sms, base[0], 2)
+        short = -(-max_len // splits) <= decode._SHORT_SPLIT_TOKENS
+        assert seen.pop() == ((base[0], base[1], base[2] - 1) if short else base), (max_len, sms)
+    decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.125, max_seq_len=4096,
+                     config=base)  # fmt: skip
+    assert seen.pop() == base
+
+
 def test_decode_paged_equals_contiguous():
     kv = Paged([1000, 5, 333], 2, 64, 16, torch.float16)
     flat = kv.contiguous_copy()

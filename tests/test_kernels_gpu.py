@@ -133,6 +133,21 @@ def test_decode_fixed_split_batch_invariant_bf16():
     assert torch.equal(full[2:3], alone)
 
 
+def test_decode_stage_count_does_not_change_the_result():
+    """The heuristic runs short splits with one pipeline stage fewer: bit-identical output and
+    LSE to the longer pipeline (only when loads are issued changes), and right."""
+    decode_attention, *_ = _lazy()
+    k, v, bt, sl = paged([4096, 1000, 3001], 8, 128, 16)
+    q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
+    runs = [decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, return_lse=True,
+                             num_splits=8, config=(64, 4, stages))
+            for stages in (2, 3, 4)]  # fmt: skip
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+    ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088)
+    check(runs[0][0], ref, BF16_TOL, "decode (64, 4, 2)")
+
+
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("page", [16, 128])
 def test_prefill_bf16(d, page):
