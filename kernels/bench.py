@@ -314,13 +314,19 @@ PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
 }  # fmt: skip
 SWEEP_POINTS = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384),
                 (32, 4096), (32, 131072)]  # fmt: skip
-SWEEPS = ("decode-config", "loads", "fuse", "pdl", "layout", "splits", "page", "prefill")
+SWEEPS = ("decode-config", "loads", "loop", "fuse", "pdl", "layout", "splits", "page", "prefill")
 LOAD_VARIANTS = {  # name: decode._KV_LOADS (cache modifier, eviction policy, V after softmax)
     "default": ("", "", False),
     ".cg": (".cg", "", False),
     "evict_first": ("", "evict_first", False),
     ".cg evict_first": (".cg", "evict_first", False),
     "V late": ("", "", True),
+}
+LOOP_VARIANTS = {  # name: decode._LOOP
+    "default": {"PAGE_VEC": False, "SPLIT_TAIL": False},
+    "page entries once per page": {"PAGE_VEC": True, "SPLIT_TAIL": False},
+    "unmasked whole tiles": {"PAGE_VEC": False, "SPLIT_TAIL": True},
+    "both": {"PAGE_VEC": True, "SPLIT_TAIL": True},
 }
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -329,7 +335,8 @@ def sweep(which: list[str], points=None) -> list[dict]:
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
     decode-config: stage-1 (BLOCK_N, warps, stages); loads: K/V load cache modifier and
-    eviction policy, V loaded after the softmax, beside SDPA; fuse: the merge in stage 1's last
+    eviction policy, V loaded after the softmax, beside SDPA; loop: block-table entries loaded
+    once per page, whole tiles without masks, beside SDPA; fuse: the merge in stage 1's last
     program per (sequence, KV head) or in a second kernel; pdl: programmatic dependent launch
     on or off; layout: the same KV bytes placed differently: [N, BS, Hkv, D] pages shuffled or
     in order, or one KV head per sequence (a head's rows contiguous within a page: the layout
@@ -358,6 +365,13 @@ def sweep(which: list[str], points=None) -> list[dict]:
                 decode._KV_LOADS = loads
                 rec("loads", bsz, ctx, name, attempt(time_ours, bsz, ctx))
         decode._KV_LOADS = LOAD_VARIANTS["default"]
+    if "loop" in which:
+        for bsz, ctx in pts:
+            rec("loop", bsz, ctx, "SDPA (contiguous)", attempt(time_sdpa, bsz, ctx))
+            for name, loop in LOOP_VARIANTS.items():
+                decode._LOOP = loop
+                rec("loop", bsz, ctx, name, attempt(time_ours, bsz, ctx))
+        decode._LOOP = LOOP_VARIANTS["default"]
     if "fuse" in which:
         for bsz, ctx in pts:
             for name, fused in (("fused", True), ("combine kernel", False)):

@@ -42,14 +42,76 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_pages(bt, n0, end, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_pages(
+    bt, n0, end, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_VEC: tl.constexpr
+):
     """Block-table entries of the KV tile at token ``n0`` (int64): one scalar when the tile
-    lies in one page, else one per token [BN]. Tokens at or past ``end`` read nothing (0)."""
+    lies in one page, else one per token [BN]. Tokens at or past ``end`` read nothing (0).
+    ``PAGE_VEC``: load the tile's BN / PAGE entries once each and repeat them per token,
+    instead of one (repeated) entry load per token."""
     if PAGE >= BLOCK_N:
         return tl.load(bt + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
+    elif PAGE_VEC:
+        idx = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+        ent = tl.load(bt + idx, mask=idx * PAGE < end, other=0).to(tl.int64)
+        return tl.reshape(tl.broadcast_to(ent[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,))
     else:
         kv = n0 + offs_n
         return tl.load(bt + kv // PAGE, mask=kv < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend_tile(
+    q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb, stride_kt,
+    head_off, qk_scale,
+    PAGE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    KV_CACHE: tl.constexpr, KV_EVICT: tl.constexpr, V_LATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``):
+    the updated (m_i, l_i, acc). ``MASKED``: the tile may reach past ``end`` (else every token
+    is in range, and with ``EVEN_D`` the loads need no mask at all)."""
+    kv = n0 + offs_n  # [BN] token positions
+    row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
+    k_ptrs = K + row[:, None] + offs_d[None, :]
+    v_ptrs = V + row[:, None] + offs_d[None, :]
+    if MASKED:
+        kv_mask = kv < end
+        ld_mask = kv_mask[:, None] & d_mask[None, :]
+    else:
+        ld_mask = d_mask[None, :]  # unused with EVEN_D
+    k = _load_tile(k_ptrs, ld_mask, MASKED, EVEN_D, KV_CACHE, KV_EVICT)
+    if not V_LATE:
+        v = _load_tile(v_ptrs, ld_mask, MASKED, EVEN_D, KV_CACHE, KV_EVICT)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN], log2
+    if MASKED:
+        s = tl.where(kv_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_LATE:
+        v = _load_tile(v_ptrs, ld_mask, MASKED, EVEN_D, KV_CACHE, KV_EVICT)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_tile(
+    ptrs, mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr, KV_CACHE: tl.constexpr,
+    KV_EVICT: tl.constexpr,
+):  # fmt: skip
+    """A K or V tile: masked unless every token is in range and the head dim fills BLOCK_D."""
+    if MASKED:
+        return tl.load(
+            ptrs, mask=mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
+        )
+    elif EVEN_D:
+        return tl.load(ptrs, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT)
+    else:
+        return tl.load(
+            ptrs, mask=mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
+        )
 
 
 @triton.jit
@@ -168,6 +230,8 @@ def _decode_split_kernel(
     KV_CACHE: tl.constexpr = "",
     KV_EVICT: tl.constexpr = "",
     V_LATE: tl.constexpr = False,
+    PAGE_VEC: tl.constexpr = False,
+    SPLIT_TAIL: tl.constexpr = False,
 ):
     if PDL:  # a separate combine may be scheduled now; it waits for this grid's results itself
         tl.extra.cuda.gdc_launch_dependents()
@@ -202,34 +266,26 @@ def _decode_split_kernel(
     # and the pipeliner keeps num_stages - 1 K/V tiles in flight (Triton 3.6, sm_90: 2 buffers
     # at 3 stages, 71.7 KB smem; 3 at 4, 104.4 KB; entries loaded in the loop: 1 buffer at any
     # num_stages, 2 loads two tiles ahead: no pipelining at all).
-    pages = _tile_pages(bt, start, end, offs_n, PAGE, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
-        nxt = _tile_pages(bt, n0 + BLOCK_N, end, offs_n, PAGE, BLOCK_N)
-        kv = n0 + offs_n  # [BN] token positions
-        kv_mask = kv < end
-        row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
-        ld_mask = kv_mask[:, None] & d_mask[None, :]
-        k_ptrs = K + row[:, None] + offs_d[None, :]
-        v_ptrs = V + row[:, None] + offs_d[None, :]
-        k = tl.load(
-            k_ptrs, mask=ld_mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
-        )
-        if not V_LATE:
-            v = tl.load(
-                v_ptrs, mask=ld_mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
-            )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN], log2
-        s = tl.where(kv_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_LATE:
-            v = tl.load(
-                v_ptrs, mask=ld_mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
-            )
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    pages = _tile_pages(bt, start, end, offs_n, PAGE, BLOCK_N, PAGE_VEC)
+    full_end = start
+    if SPLIT_TAIL:  # whole tiles without masks, then the partial tile (if any) masked
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
+            nxt = _tile_pages(bt, n0 + BLOCK_N, end, offs_n, PAGE, BLOCK_N, PAGE_VEC)
+            m_i, l_i, acc = _attend_tile(
+                q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
+                stride_kt, head_off, qk_scale, PAGE=PAGE, MASKED=False,
+                EVEN_D=HEAD_DIM == BLOCK_D, KV_CACHE=KV_CACHE, KV_EVICT=KV_EVICT,
+                V_LATE=V_LATE, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+            pages = nxt
+    for n0 in range(full_end, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
+        nxt = _tile_pages(bt, n0 + BLOCK_N, end, offs_n, PAGE, BLOCK_N, PAGE_VEC)
+        m_i, l_i, acc = _attend_tile(
+            q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
+            stride_kt, head_off, qk_scale, PAGE=PAGE, MASKED=True, EVEN_D=HEAD_DIM == BLOCK_D,
+            KV_CACHE=KV_CACHE, KV_EVICT=KV_EVICT, V_LATE=V_LATE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
         pages = nxt
 
     empty = l_i == 0.0  # a split with no tokens: output 0, LSE -inf
@@ -325,8 +381,12 @@ _FUSE_COMBINE = True
 # so a trigger would only overlap back-to-back decode calls, which happen in benchmarks alone.
 _USE_PDL = True
 _PDL_STAGE1 = True
-# K/V tile loads: (cache modifier, eviction policy, V loaded after the softmax); tuning only.
+# K/V tile loads: (cache modifier, eviction policy, V loaded after the softmax); tuning only
+# (H100: none moved a point by more than the spread, docs/benchmarks/kernels-notes.md run 6).
 _KV_LOADS = ("", "", False)
+# Loop variants to measure (`--sweep loop`): the block-table entries of a tile loaded once per
+# page (PAGE_VEC), whole tiles without masks and the partial one apart (SPLIT_TAIL).
+_LOOP = {"PAGE_VEC": False, "SPLIT_TAIL": False}
 
 
 def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
@@ -519,7 +579,7 @@ def _launch(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_CACHE=_KV_LOADS[0], KV_EVICT=_KV_LOADS[1], V_LATE=_KV_LOADS[2],
+        KV_CACHE=_KV_LOADS[0], KV_EVICT=_KV_LOADS[1], V_LATE=_KV_LOADS[2], **_LOOP,
         num_warps=num_warps, num_stages=num_stages, **stage1_extra,
     )  # fmt: skip
     if direct or fused:

@@ -180,6 +180,30 @@ def test_decode_split_vs_no_split(dtype):
     assert_close(lse1, ref_lse, LSE_TOL[dtype], "decode lse, one split")
 
 
+@pytest.mark.parametrize(
+    "loop",
+    [{"PAGE_VEC": True, "SPLIT_TAIL": False}, {"PAGE_VEC": False, "SPLIT_TAIL": True},
+     {"PAGE_VEC": True, "SPLIT_TAIL": True}],
+    ids=["page-vec", "split-tail", "both"],
+)  # fmt: skip
+@pytest.mark.parametrize("d, page", [(64, 16), (96, 16), (64, 128)])
+def test_decode_loop_variants_match_the_reference(monkeypatch, loop, d, page):
+    """The tuning variants of the KV loop (block-table entries once per page; whole tiles
+    unmasked and the partial one apart): same results as the reference, at lengths that end
+    inside a page, inside a tile, on a tile edge, with empty splits and a length of 1."""
+    from kernels import decode
+
+    monkeypatch.setattr(decode, "_LOOP", loop)
+    lens = [1, 17, 64, 128, 1000, 333]
+    kv = Paged(lens, 2, d, page, torch.float16)
+    q = torch.randn(len(lens), 8, d, device=DEVICE).half()
+    ref_out, ref_lse = decode_ref(q, kv, d**-0.5)
+    for kw in ({"num_splits": 1}, {"num_splits": 6}, {"split_size": 192}):
+        out, lse = run_decode(q, kv, d**-0.5, **kw)
+        assert_close(out, ref_out, TOL[torch.float16], f"decode out {loop} {kw}")
+        assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"decode lse {loop} {kw}")
+
+
 def test_decode_heuristic_runs_short_splits_with_one_stage_fewer(monkeypatch):
     """Splits of at most _SHORT_SPLIT_TOKENS get (BLOCK_N, warps, stages - 1), longer ones the
     default; an explicit config is never changed. The result is the same (GPU test)."""
