@@ -365,12 +365,16 @@ def sweep(which: list[str], points=None) -> list[dict]:
                 decode._KV_LOADS = loads
                 rec("loads", bsz, ctx, name, attempt(time_ours, bsz, ctx))
         decode._KV_LOADS = LOAD_VARIANTS["default"]
-    if "loop" in which:
+    if "loop" in which:  # ROUNDS alternated rounds per point, medians: differences of ~1%
         for bsz, ctx in pts:
-            rec("loop", bsz, ctx, "SDPA (contiguous)", attempt(time_sdpa, bsz, ctx))
-            for name, loop in LOOP_VARIANTS.items():
-                decode._LOOP = loop
-                rec("loop", bsz, ctx, name, attempt(time_ours, bsz, ctx))
+            times: dict[str, list] = {}
+            for _ in range(ROUNDS):
+                times.setdefault("SDPA (contiguous)", []).append(attempt(time_sdpa, bsz, ctx))
+                for name, loop in LOOP_VARIANTS.items():
+                    decode._LOOP = loop
+                    times.setdefault(name, []).append(attempt(time_ours, bsz, ctx))
+            for name, us in times.items():
+                rec("loop", bsz, ctx, name, _median(us), rounds=us)
         decode._LOOP = LOOP_VARIANTS["default"]
     if "fuse" in which:
         for bsz, ctx in pts:
