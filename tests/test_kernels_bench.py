@@ -1,0 +1,36 @@
+"""``python -m kernels.bench`` as a script: on the CPU it runs in its smoke mode (Triton's
+interpreter, one tiny point), so the harness, the sweeps and the JSON it writes are checked
+here; its numbers only mean something on the GPU (docs/benchmarks/kernels.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke mode only")
+
+
+def test_decode_grid_times_ours_and_sdpa_in_rounds(tmp_path, capsys):
+    from kernels import bench
+
+    out = tmp_path / "bench.json"
+    bench.main(["--batches", "1", "--contexts", "256", "--prefill", "", "--json", str(out)])
+    res = json.loads(out.read_text())
+    (row,) = res["decode"]
+    assert row["batch"] == 1 and row["context"] == 256
+    assert len(row["ours_rounds"]) == bench.ROUNDS and len(row["sdpa_rounds"]) == bench.ROUNDS
+    assert row["ours_us"] == pytest.approx(sorted(row["ours_rounds"])[bench.ROUNDS // 2])
+    assert row["ours_us"] > 0 and row["sdpa_us"] > 0 and res["prefill"] == []
+    assert "| 1 | 0K |" in capsys.readouterr().out
+
+
+def test_loop_sweep_times_every_variant_and_restores_the_default(tmp_path):
+    from kernels import bench, decode
+
+    out = tmp_path / "sweep.json"
+    bench.main(["--sweep", "loop", "--json", str(out)])
+    got = {r["variant"] for r in json.loads(out.read_text())["sweep"]}
+    assert got == {"SDPA (contiguous)", *bench.LOOP_VARIANTS}
+    assert decode._LOOP == bench.LOOP_VARIANTS["default"]
