@@ -193,7 +193,9 @@ def test_async_llm_streams_with_async_scheduling():
     prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     expected = [c.token_ids for c in _llm().generate(prompts, params)]
-    engine = AsyncLLM(EngineConfig(model="dummy:tiny", max_num_seqs=8, async_scheduling=True))
+    config = EngineConfig(model="dummy:tiny", max_num_seqs=8, max_kv_tokens=8192,
+                          async_scheduling=True)  # fmt: skip
+    engine = AsyncLLM(config)
     engine.start()
 
     async def one(prompt):
@@ -221,3 +223,55 @@ def test_a_one_token_prefill_chunk_among_decodes_is_not_queued_as_a_decode():
     got = [c.token_ids for c in overlapped.generate(prompts, params)]
     assert got == expected
     assert _all_blocks_free(overlapped)
+
+
+@pytest.mark.parametrize("where", ["first launch", "launch queued ahead", "read-back"])
+def test_a_failed_step_fails_every_request_and_the_engine_serves_again(monkeypatch, where):
+    """A step that raises while one is queued (as AsyncLLM's loop handles it: fail_all):
+    every request ends with the error, every KV block comes back, nothing queued is read
+    later, and the next requests get the plain engine's tokens."""
+    from flashserve.model_runner import Launched
+
+    prompts = _prompts(5)
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    llm = _llm(async_scheduling=True)
+    engine, runner = llm.engine, llm.engine.runner
+    armed = [False]
+    launch, tokens = runner.launch, Launched.tokens
+
+    def faulty_launch(seqs, host, after=None):
+        if armed[0] and (after is None) == (where == "first launch"):
+            armed[0] = False
+            raise RuntimeError("injected: launch failed")
+        return launch(seqs, host, after)
+
+    def faulty_tokens(self):
+        if armed[0] and where == "read-back":
+            armed[0] = False
+            raise RuntimeError("injected: read-back failed")
+        return tokens(self)
+
+    monkeypatch.setattr(runner, "launch", faulty_launch)
+    monkeypatch.setattr(Launched, "tokens", faulty_tokens)
+    ids = {engine.add_request(p, params) for p in prompts}
+    for _ in range(4):
+        engine.step()
+    if where == "first launch":  # a fresh overlap starts only after a plain step: add one
+        ids.add(engine.add_request(prompts[0], params))
+    assert engine._in_flight is not None or where == "first launch"
+    armed[0] = True
+    outputs, failed = [], None
+    while engine.has_unfinished() and failed is None:
+        try:
+            outputs += engine.step()
+        except RuntimeError as exc:
+            failed = engine.fail_all(f"{type(exc).__name__}: {exc}")
+    assert failed is not None and not armed[0], "the fault did not fire"
+    assert {o.request_id for o in failed} == ids - {o.request_id for o in outputs if o.finished}
+    assert all(o.finished and o.finish_reason == "error" and "injected" in o.error
+               for o in failed)  # fmt: skip
+    assert not engine.has_unfinished() and engine._in_flight is None and _all_blocks_free(llm)
+    assert engine.step() == []  # nothing queued is read later
+    expected = [c.token_ids for c in _llm().generate(prompts, params)]
+    assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+    assert _all_blocks_free(llm)
