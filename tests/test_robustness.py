@@ -25,13 +25,15 @@ LONG = 1500  # tokens: a stream that is still running when its client goes away
 STEP_S = 0.005  # a slower step keeps the long requests alive while a test acts
 
 
-@pytest.fixture()
-def llm(monkeypatch) -> AsyncLLM:
-    """A fresh engine on dummy:tiny whose steps take at least ``STEP_S``."""
-    llm = AsyncLLM(EngineConfig(model="dummy:tiny"))
+@pytest.fixture(params=[False, True], ids=["plain", "async-scheduling"])
+def llm(request, monkeypatch) -> AsyncLLM:
+    """A fresh engine on dummy:tiny whose steps take at least ``STEP_S``: plain, and with
+    async scheduling (the default on CUDA), whose decode steps go through ``launch``."""
+    llm = AsyncLLM(EngineConfig(model="dummy:tiny", async_scheduling=request.param))
     runner = llm.engine.runner
-    real = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda seqs: (time.sleep(STEP_S), real(seqs))[1])
+    execute, launch = runner.execute, runner.launch
+    monkeypatch.setattr(runner, "execute", lambda seqs: (time.sleep(STEP_S), execute(seqs))[1])
+    monkeypatch.setattr(runner, "launch", lambda *a: (time.sleep(STEP_S), launch(*a))[1])
     return llm
 
 
@@ -114,17 +116,18 @@ def test_disconnect_storm_frees_everything(llm):
 
 
 def _arm_fault(monkeypatch, llm: AsyncLLM) -> threading.Event:
-    """The next forward pass after ``armed`` is set raises (once)."""
+    """The next forward pass (run now, or queued with async scheduling) after ``armed`` is
+    set raises (once)."""
     runner = llm.engine.runner
-    real, armed = runner.execute, threading.Event()
+    execute, launch, armed = runner.execute, runner.launch, threading.Event()
 
-    def execute(seqs):
+    def fault() -> None:
         if armed.is_set():
             armed.clear()
             raise RuntimeError("injected: the device fell over")
-        return real(seqs)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "execute", lambda seqs: (fault(), execute(seqs))[1])
+    monkeypatch.setattr(runner, "launch", lambda *a: (fault(), launch(*a))[1])
     return armed
 
 
