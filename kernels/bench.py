@@ -8,7 +8,8 @@ several input sets (KV pools, shuffled block tables, queries) totalling >= 256 M
 Peers: torch SDPA on contiguous KV (enable_gqa) and, if importable, xformers' triton_splitk
 on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA's
 FlashAttention-2 and cuDNN backends. The device-to-device copy bandwidth is measured in the
-same run and is the 100% of the decode table. ``--sweep`` times tuning variants instead.
+same run and is the 100% of the decode table's % columns (GB/s: KV bytes read per second).
+``--sweep`` times tuning variants instead.
 """
 
 from __future__ import annotations
@@ -276,7 +277,8 @@ def decode_grid(batches, contexts, copy_gbs, have_xf) -> list[dict]:
                         break
             for key in ("ours", "sdpa", "xformers"):
                 us = r[f"{key}_us"]
-                r[f"{key}_pct"] = kv_bytes(bsz, ctx) / us / 1e3 / copy_gbs * 100 if us else None
+                r[f"{key}_gbs"] = kv_bytes(bsz, ctx) / us / 1e3 if us else None
+                r[f"{key}_pct"] = r[f"{key}_gbs"] / copy_gbs * 100 if us else None
             rows.append(r)
             print("  " + json.dumps(r), flush=True)
     return rows
@@ -441,14 +443,19 @@ def fmt(x, spec):
 
 def print_tables(copy_gbs, dec, pre):
     print(f"\ncopy bandwidth: {copy_gbs:,.0f} GB/s (read + write)")
-    print("\n| batch | context | KV MB | ours µs | ours % | SDPA µs | SDPA % | xformers µs "
-          "| xformers % |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| batch | context | KV MB | ours µs | GB/s | % | SDPA µs | GB/s | % | xformers µs "
+          "| GB/s | % |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in dec:
-        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['kv_mb']:,.0f} | "
-              f"{fmt(r['ours_us'], ',.1f')} | {fmt(r['ours_pct'], '.0f')} | "
-              f"{fmt(r['sdpa_us'], ',.1f')} | {fmt(r['sdpa_pct'], '.0f')} | "
-              f"{fmt(r['xformers_us'], ',.1f')} | {fmt(r['xformers_pct'], '.0f')} |")  # fmt: skip
+        cells = []
+        for k in ("ours", "sdpa", "xformers"):
+            cells += [fmt(r[f"{k}_us"], ",.1f"), fmt(r[f"{k}_gbs"], ",.0f"),
+                      fmt(r[f"{k}_pct"], ".0f")]  # fmt: skip
+        print(
+            f"| {r['batch']} | {r['context'] // 1024}K | {r['kv_mb']:,.0f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     print("\n| tokens | ours p16 µs | TFLOP/s | ours p128 µs | TFLOP/s | SDPA FA2 µs | TFLOP/s "
           "| SDPA cuDNN µs | TFLOP/s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")

@@ -23,7 +23,11 @@ def test_decode_grid_times_ours_and_sdpa_in_rounds(tmp_path, capsys):
     assert len(row["ours_rounds"]) == bench.ROUNDS and len(row["sdpa_rounds"]) == bench.ROUNDS
     assert row["ours_us"] == pytest.approx(sorted(row["ours_rounds"])[bench.ROUNDS // 2])
     assert row["ours_us"] > 0 and row["sdpa_us"] > 0 and res["prefill"] == []
-    assert "| 1 | 0K |" in capsys.readouterr().out
+    kv_bytes = 2 * 256 * bench.HKV * bench.D * bench.DT.itemsize
+    assert row["ours_gbs"] == pytest.approx(kv_bytes / row["ours_us"] / 1e3)
+    assert row["ours_pct"] == pytest.approx(row["ours_gbs"] / res["copy_gbs"] * 100)
+    table = capsys.readouterr().out
+    assert "| ours µs | GB/s | % |" in table and "| 1 | 0K |" in table
 
 
 def test_loop_sweep_times_every_variant_and_restores_the_default(tmp_path):
