@@ -324,11 +324,14 @@ LOAD_VARIANTS = {  # name: decode._KV_LOADS (cache modifier, eviction policy, V 
     ".cg evict_first": (".cg", "evict_first", False),
     "V late": ("", "", True),
 }
-LOOP_VARIANTS = {  # name: decode._LOOP
-    "default": {"PAGE_VEC": False, "SPLIT_TAIL": False},
-    "page entries once per page": {"PAGE_VEC": True, "SPLIT_TAIL": False},
-    "unmasked whole tiles": {"PAGE_VEC": False, "SPLIT_TAIL": True},
-    "both": {"PAGE_VEC": True, "SPLIT_TAIL": True},
+_BOTH = {"PAGE_VEC": True, "SPLIT_TAIL": True}
+LOOP_VARIANTS = {  # name: (decode._LOOP, time_ours kwargs)
+    "default": ({"PAGE_VEC": False, "SPLIT_TAIL": False}, {}),
+    "page entries once per page": ({"PAGE_VEC": True, "SPLIT_TAIL": False}, {}),
+    "unmasked whole tiles": ({"PAGE_VEC": False, "SPLIT_TAIL": True}, {}),
+    "both": (_BOTH, {}),
+    "both, (128, 4, 2)": (_BOTH, {"config": (128, 4, 2)}),
+    "both, page 64": (_BOTH, {"page": 64}),
 }
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -338,7 +341,8 @@ def sweep(which: list[str], points=None) -> list[dict]:
 
     decode-config: stage-1 (BLOCK_N, warps, stages); loads: K/V load cache modifier and
     eviction policy, V loaded after the softmax, beside SDPA; loop: block-table entries loaded
-    once per page, whole tiles without masks, beside SDPA; fuse: the merge in stage 1's last
+    once per page, whole tiles without masks (also with 128-key tiles, and 64-token pages),
+    beside SDPA; fuse: the merge in stage 1's last
     program per (sequence, KV head) or in a second kernel; pdl: programmatic dependent launch
     on or off; layout: the same KV bytes placed differently: [N, BS, Hkv, D] pages shuffled or
     in order, or one KV head per sequence (a head's rows contiguous within a page: the layout
@@ -372,12 +376,12 @@ def sweep(which: list[str], points=None) -> list[dict]:
             times: dict[str, list] = {}
             for _ in range(ROUNDS):
                 times.setdefault("SDPA (contiguous)", []).append(attempt(time_sdpa, bsz, ctx))
-                for name, loop in LOOP_VARIANTS.items():
+                for name, (loop, kw) in LOOP_VARIANTS.items():
                     decode._LOOP = loop
-                    times.setdefault(name, []).append(attempt(time_ours, bsz, ctx))
+                    times.setdefault(name, []).append(attempt(time_ours, bsz, ctx, **kw))
             for name, us in times.items():
                 rec("loop", bsz, ctx, name, _median(us), rounds=us)
-        decode._LOOP = LOOP_VARIANTS["default"]
+        decode._LOOP = LOOP_VARIANTS["default"][0]
     if "fuse" in which:
         for bsz, ctx in pts:
             for name, fused in (("fused", True), ("combine kernel", False)):

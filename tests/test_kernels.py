@@ -198,7 +198,8 @@ def test_decode_loop_variants_match_the_reference(monkeypatch, loop, d, page):
     kv = Paged(lens, 2, d, page, torch.float16)
     q = torch.randn(len(lens), 8, d, device=DEVICE).half()
     ref_out, ref_lse = decode_ref(q, kv, d**-0.5)
-    for kw in ({"num_splits": 1}, {"num_splits": 6}, {"split_size": 192}):
+    for kw in ({"num_splits": 1}, {"num_splits": 6}, {"split_size": 192},
+               {"num_splits": 3, "config": (128, 4, 2)}):  # fmt: skip
         out, lse = run_decode(q, kv, d**-0.5, **kw)
         assert_close(out, ref_out, TOL[torch.float16], f"decode out {loop} {kw}")
         assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"decode lse {loop} {kw}")

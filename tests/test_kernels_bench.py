@@ -37,4 +37,4 @@ def test_loop_sweep_times_every_variant_and_restores_the_default(tmp_path):
     bench.main(["--sweep", "loop", "--json", str(out)])
     got = {r["variant"] for r in json.loads(out.read_text())["sweep"]}
     assert got == {"SDPA (contiguous)", *bench.LOOP_VARIANTS}
-    assert decode._LOOP == bench.LOOP_VARIANTS["default"]
+    assert decode._LOOP == bench.LOOP_VARIANTS["default"][0]

@@ -133,20 +133,21 @@ def test_decode_fixed_split_batch_invariant_bf16():
     assert torch.equal(full[2:3], alone)
 
 
+@pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("page_vec", [False, True])
 @pytest.mark.parametrize("split_tail", [False, True])
-def test_decode_loop_variants_bf16(monkeypatch, page_vec, split_tail):
+def test_decode_loop_variants_bf16(monkeypatch, page_vec, split_tail, page):
     """The KV-loop tuning variants (kernels.bench --sweep loop) on the GPU, bf16, Llama-3-8B
     heads, against the reference; lengths ending inside a page, inside a tile, on an edge."""
     from kernels import decode
 
     monkeypatch.setattr(decode, "_LOOP", {"PAGE_VEC": page_vec, "SPLIT_TAIL": split_tail})
-    k, v, bt, sl = paged([4096, 1000, 17, 64, 3001], 8, 128, 16)
+    k, v, bt, sl = paged([4096, 1000, 17, 64, 3001], 8, 128, page)
     q = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)
     ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088)
-    for kw in ({}, {"num_splits": 1}, {"split_size": 512}):
+    for kw in ({}, {"num_splits": 1}, {"split_size": 512}, {"config": (128, 4, 2)}):
         out = decode.decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, **kw)
-        check(out, ref, BF16_TOL, f"decode {page_vec=} {split_tail=} {kw}")
+        check(out, ref, BF16_TOL, f"decode {page=} {page_vec=} {split_tail=} {kw}")
 
 
 def test_decode_stage_count_does_not_change_the_result():
