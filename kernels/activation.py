@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import pdl_chain, pdl_enter, pdl_launch
+
 _BLOCK = 1024  # columns per program
 
 
@@ -21,7 +23,9 @@ def _silu_and_mul_kernel(
     stride_o,
     inter,  # I
     BLOCK: tl.constexpr,
+    CHAIN: tl.constexpr,
 ):
+    pdl_enter(CHAIN)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -41,5 +45,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t:
         grid = (t, triton.cdiv(inter, _BLOCK))
-        _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK)
+        chain = pdl_chain(x.device)
+        _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK,
+                                   CHAIN=chain, **pdl_launch(chain))  # fmt: skip
     return out

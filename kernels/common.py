@@ -4,9 +4,17 @@ checks, and the zeroed counters of in-kernel merges."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
 import triton.language as tl
+
+# Programmatic dependent launch along the decode layer (sm_90+): each of the layer's kernels
+# (norms, linear layers, RoPE and KV write, attention, SiLU) is launched early, waits in-kernel
+# for the one before it, then lets the next one launch, so each launch overlaps the previous
+# kernel's last wave. Built, not measured yet: off unless FLASHSERVE_PDL_CHAIN=1.
+PDL_CHAIN = os.environ.get("FLASHSERVE_PDL_CHAIN", "0") == "1"
 
 
 @functools.cache
@@ -25,6 +33,25 @@ def pdl_trigger(device: torch.device) -> bool:
         and torch.cuda.get_device_capability(device)[0] >= 9
         and hasattr(getattr(extra, "cuda", None), "gdc_launch_dependents")
     )
+
+
+def pdl_chain(device: torch.device) -> bool:
+    """Whether kernels on ``device`` join the PDL chain (``PDL_CHAIN`` on, sm_90+)."""
+    return PDL_CHAIN and pdl_trigger(device) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def pdl_launch(chain: bool) -> dict:
+    """Launch options of a kernel in the PDL chain."""
+    return {"launch_pdl": True} if chain else {}
+
+
+@triton.jit
+def pdl_enter(CHAIN: tl.constexpr):
+    """First thing in a chained kernel: wait until the kernel before it has finished and its
+    writes are visible, then let the kernel after it launch (it waits the same way)."""
+    if CHAIN:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def check_kv_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, hkv: int, d: int) -> None:

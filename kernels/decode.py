@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import SplitCounters
+from kernels.common import SplitCounters, pdl_chain
 from kernels.common import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
@@ -232,11 +232,14 @@ def _decode_split_kernel(
     V_LATE: tl.constexpr = False,
     PAGE_VEC: tl.constexpr = False,
     SPLIT_TAIL: tl.constexpr = False,
+    CHAIN: tl.constexpr = False,
 ):
     if PDL:  # a separate combine may be scheduled now; it waits for this grid's results itself
         tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
         tl.extra.cuda.gdc_wait()
+    if CHAIN:  # the PDL chain: the layer's next kernel may launch now (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -580,6 +583,7 @@ def _launch(
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_CACHE=_KV_LOADS[0], KV_EVICT=_KV_LOADS[1], V_LATE=_KV_LOADS[2], **_LOOP,
+        CHAIN=pdl and _PDL_STAGE1 and pdl_chain(q.device),
         num_warps=num_warps, num_stages=num_stages, **stage1_extra,
     )  # fmt: skip
     if direct or fused:

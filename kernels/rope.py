@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_kv_pages, pdl_trigger
+from kernels.common import check_kv_pages, pdl_chain, pdl_enter, pdl_launch, pdl_trigger
 
 
 @triton.jit
@@ -54,7 +54,9 @@ def _rope_write_kv_kernel(
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     PDL: tl.constexpr,
+    CHAIN: tl.constexpr,
 ):
+    pdl_enter(CHAIN)
     if PDL:  # let a PDL-launched attention kernel start; it waits for this grid to finish
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -120,6 +122,7 @@ def rope_write_kv(
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
+    chain = pdl_chain(qkv.device)
     _rope_write_kv_kernel[(t,)](
         qkv, positions, cos, sin, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
@@ -128,7 +131,7 @@ def rope_write_kv(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        PDL=pdl_trigger(qkv.device),
+        PDL=pdl_trigger(qkv.device), CHAIN=chain, **pdl_launch(chain),
         num_warps=4 if num_heads * d >= 2048 else 2,
         enable_fp_fusion=False,  # a fused multiply-add would skip a rounding torch does
     )  # fmt: skip

@@ -133,6 +133,7 @@ def test_bench_decode_with_async_scheduling(tmp_path):
     assert main(argv) == 0
     res = json.loads(out.read_text())
     assert res["meta"]["async_scheduling"] is True
+    assert res["meta"]["pdl_chain"] is False  # CUDA sm_90+ only
     assert [p["status"] for p in res["points"]] == ["ok", "ok"]
     assert all(p["ours"]["tokens_per_s"] > 0 for p in res["points"])
 
