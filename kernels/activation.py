@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import pdl_chain, pdl_enter, pdl_launch
+from kernels.common import pdl_enter, pdl_kwargs
 
 _BLOCK = 1024  # columns per program
 
@@ -45,7 +45,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t:
         grid = (t, triton.cdiv(inter, _BLOCK))
-        chain = pdl_chain(x.device)
         _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK,
-                                   CHAIN=chain, **pdl_launch(chain))  # fmt: skip
+                                   **pdl_kwargs(x.device))  # fmt: skip
     return out

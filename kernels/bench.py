@@ -364,24 +364,26 @@ def sweep(which: list[str], points=None) -> list[dict]:
         for bsz, ctx in pts:
             for cfg in DECODE_CONFIGS:
                 rec("decode-config", bsz, ctx, cfg, attempt(time_ours, bsz, ctx, config=cfg))
-    if "loads" in which:
-        for bsz, ctx in pts:
-            rec("loads", bsz, ctx, "SDPA (contiguous)", attempt(time_sdpa, bsz, ctx))
-            for name, loads in LOAD_VARIANTS.items():
-                decode._KV_LOADS = loads
-                rec("loads", bsz, ctx, name, attempt(time_ours, bsz, ctx))
-        decode._KV_LOADS = LOAD_VARIANTS["default"]
-    if "loop" in which:  # ROUNDS alternated rounds per point, medians: differences of ~1%
+
+    def beside_sdpa(kind, variants, knob, rounds):
+        """Each variant (``decode.<knob>`` value, time_ours kwargs) and SDPA at every point, in
+        ``rounds`` alternated rounds, medians; the knob is left at the first variant."""
         for bsz, ctx in pts:
             times: dict[str, list] = {}
-            for _ in range(ROUNDS):
+            for _ in range(rounds):
                 times.setdefault("SDPA (contiguous)", []).append(attempt(time_sdpa, bsz, ctx))
-                for name, (loop, kw) in LOOP_VARIANTS.items():
-                    decode._LOOP = loop
+                for name, (value, kw) in variants.items():
+                    setattr(decode, knob, value)
                     times.setdefault(name, []).append(attempt(time_ours, bsz, ctx, **kw))
             for name, us in times.items():
-                rec("loop", bsz, ctx, name, _median(us), rounds=us)
-        decode._LOOP = LOOP_VARIANTS["default"][0]
+                rec(kind, bsz, ctx, name, _median(us), rounds=us)
+        setattr(decode, knob, next(iter(variants.values()))[0])
+
+    if "loads" in which:
+        loads = {name: (value, {}) for name, value in LOAD_VARIANTS.items()}
+        beside_sdpa("loads", loads, "_KV_LOADS", 1)
+    if "loop" in which:  # alternated rounds, medians: the differences are ~1%
+        beside_sdpa("loop", LOOP_VARIANTS, "_LOOP", ROUNDS)
     if "fuse" in which:
         for bsz, ctx in pts:
             for name, fused in (("fused", True), ("combine kernel", False)):

@@ -40,17 +40,22 @@ def pdl_chain(device: torch.device) -> bool:
     return PDL_CHAIN and pdl_trigger(device) and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-def pdl_launch(chain: bool) -> dict:
-    """Launch options of a kernel in the PDL chain."""
-    return {"launch_pdl": True} if chain else {}
+def pdl_kwargs(device: torch.device) -> dict:
+    """Launch arguments of a chained kernel: its ``CHAIN`` constexpr (``pdl_enter``), and an
+    early launch when the chain is on."""
+    chain = pdl_chain(device)
+    return {"CHAIN": chain, "launch_pdl": True} if chain else {"CHAIN": False}
 
 
 @triton.jit
-def pdl_enter(CHAIN: tl.constexpr):
+def pdl_enter(CHAIN: tl.constexpr, TRIGGER: tl.constexpr = False):
     """First thing in a chained kernel: wait until the kernel before it has finished and its
-    writes are visible, then let the kernel after it launch (it waits the same way)."""
+    writes are visible, then let the kernel after it launch (it waits the same way).
+    ``TRIGGER`` without the chain: only let a PDL-launched successor start early."""
     if CHAIN:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    elif TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
 

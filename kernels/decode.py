@@ -380,8 +380,8 @@ _FUSE_COMBINE = True
 # (write_kv, which triggers early) runs and waits for it in-kernel; with _FUSE_COMBINE off, the
 # combine is launched while stage 1 runs. H200, graph replay, unfused (none / combine / both):
 # B=1/4K 13.4 / 12.1 / 11.9 µs, B=1/16K 27.2 / 26.9 / 26.0; B=32/128K 3880 / 3900 / 3949.
-# The fused kernel triggers no dependents: nothing after decode in the engine launches with PDL,
-# so a trigger would only overlap back-to-back decode calls, which happen in benchmarks alone.
+# The fused kernel triggers dependents only in the PDL chain (kernels.common.PDL_CHAIN), where
+# the linear layer after it launches early; otherwise nothing after decode launches with PDL.
 _USE_PDL = True
 _PDL_STAGE1 = True
 # K/V tile loads: (cache modifier, eviction policy, V loaded after the softmax); tuning only

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import SplitCounters, pdl_chain, pdl_enter, pdl_launch
+from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
 
 MAX_M = 16
@@ -242,15 +242,14 @@ def linear_small_m(
     else:
         part = counters = out  # unused
     block_m = 16 if use_dot else 1
-    chain = pdl_chain(x.device)
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight, out, part, counters,
         m, n, k, splits, per_split * block_k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         MERGE_S=min(triton.next_power_of_2(splits), 8 if use_dot else 16),
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", CHAIN=chain,
-        num_warps=num_warps, **pdl_launch(chain),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 

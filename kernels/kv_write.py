@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_kv_pages, pdl_chain, pdl_enter, pdl_launch, pdl_trigger
+from kernels.common import check_kv_pages, pdl_enter, pdl_kwargs, pdl_trigger
 
 
 @triton.jit
@@ -36,9 +36,7 @@ def _write_kv_kernel(
     PDL: tl.constexpr,
     CHAIN: tl.constexpr,
 ):
-    pdl_enter(CHAIN)
-    if PDL:  # let a PDL-launched attention kernel start; it waits for this grid to finish
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(CHAIN, PDL)  # PDL: the attention kernel after this one may start; it waits
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
     if slot >= 0:
@@ -79,13 +77,12 @@ def write_kv(
     page = k_cache.shape[1]
     if t == 0:
         return
-    chain = pdl_chain(k.device)
     _write_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=hkv, HEAD_DIM=d, PAGE=page,
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-        PDL=pdl_trigger(k.device), CHAIN=chain, **pdl_launch(chain),
+        PDL=pdl_trigger(k.device), **pdl_kwargs(k.device),
         num_warps=4 if hkv * d >= 1024 else 2,
     )  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import pdl_chain, pdl_enter, pdl_launch
+from kernels.common import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -55,13 +55,12 @@ def _launch(x, residual, weight, eps, out, res_out) -> None:
         return
     block = triton.next_power_of_2(h)
     has_res = residual is not None
-    chain = pdl_chain(x.device)
     _rms_norm_kernel[(t,)](
         x, residual if has_res else x, weight, out, res_out if has_res else out,
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
         res_out.stride(0) if has_res else 0, eps,
-        H=h, HAS_RES=has_res, BLOCK=block, CHAIN=chain, num_warps=max(1, min(16, block // 512)),
-        **pdl_launch(chain),
+        H=h, HAS_RES=has_res, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+        **pdl_kwargs(x.device),
     )  # fmt: skip
 
 

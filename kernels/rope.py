@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_kv_pages, pdl_chain, pdl_enter, pdl_launch, pdl_trigger
+from kernels.common import check_kv_pages, pdl_enter, pdl_kwargs, pdl_trigger
 
 
 @triton.jit
@@ -56,9 +56,7 @@ def _rope_write_kv_kernel(
     PDL: tl.constexpr,
     CHAIN: tl.constexpr,
 ):
-    pdl_enter(CHAIN)
-    if PDL:  # let a PDL-launched attention kernel start; it waits for this grid to finish
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(CHAIN, PDL)  # PDL: the attention kernel after this one may start; it waits
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -122,7 +120,6 @@ def rope_write_kv(
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
-    chain = pdl_chain(qkv.device)
     _rope_write_kv_kernel[(t,)](
         qkv, positions, cos, sin, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
@@ -131,7 +128,7 @@ def rope_write_kv(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        PDL=pdl_trigger(qkv.device), CHAIN=chain, **pdl_launch(chain),
+        PDL=pdl_trigger(qkv.device), **pdl_kwargs(qkv.device),
         num_warps=4 if num_heads * d >= 2048 else 2,
         enable_fp_fusion=False,  # a fused multiply-add would skip a rounding torch does
     )  # fmt: skip

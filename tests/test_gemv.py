@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
+from tensor_checks import assert_close  # noqa: E402
+
 from kernels import gemv  # noqa: E402
 from kernels.gemv import MAX_M, gemv_config, linear_small_m  # noqa: E402
 
@@ -32,20 +34,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 def reference(x, w, bias=None) -> torch.Tensor:
     ref = x.double() @ w.double().T
     return ref + bias.double() if bias is not None else ref
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
-    """‖out - ref‖ / ‖ref‖ under ``tol``, no NaN; on failure say where the worst element is."""
-    diff = (out.double() - ref).abs()
-    nan = torch.isnan(out)
-    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    if nan.any() or not err <= tol:
-        where = nan.nonzero()[0] if nan.any() else (diff == diff.max()).nonzero()[0]
-        idx = tuple(where.tolist())
-        raise AssertionError(
-            f"{what}: rel err {err:.3e} > {tol:.1e}; {int(nan.sum())} NaN; worst at {idx}: "
-            f"got {out[idx].item():.6f}, want {ref[idx].item():.6f}"
-        )
 
 
 def run(m, n, k, dtype, bias=False, config=None, x_pad=0, out_pad=0):

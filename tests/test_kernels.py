@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
+from tensor_checks import assert_close  # noqa: E402
+
 from kernels import reference  # noqa: E402
 from kernels.decode import decode_attention  # noqa: E402
 from kernels.kv_write import write_kv  # noqa: E402
@@ -29,24 +31,6 @@ LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
-    """Relative error under ``tol``, no NaN; on failure say where the worst element is."""
-    diff = (out.double() - ref.double()).abs()
-    nan = torch.isnan(out)
-    err = rel_err(out, ref)
-    if nan.any() or not err <= tol:
-        where = nan.nonzero()[0] if nan.any() else (diff == diff.max()).nonzero()[0]
-        idx = tuple(where.tolist())
-        raise AssertionError(
-            f"{what}: rel err {err:.3e} > {tol:.1e}; {int(nan.sum())} NaN; worst at {idx}: "
-            f"got {out[idx].item():.6f}, want {ref[idx].item():.6f}"
-        )
 
 
 class Paged:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensor_checks import assert_close
 
 from kernels import reference
 
@@ -24,23 +25,6 @@ def _lazy():
     from kernels.prefill import prefill_attention
 
     return decode_attention, prefill_attention, write_kv
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
-
-
-def check(out, ref, tol, what):
-    nan = torch.isnan(out)
-    err = rel_err(out, ref)
-    if nan.any() or not err <= tol:
-        diff = (out.float() - ref.float()).abs()
-        where = nan.nonzero()[0] if nan.any() else (diff == diff.max()).nonzero()[0]
-        idx = tuple(where.tolist())
-        raise AssertionError(
-            f"{what}: rel err {err:.3e} > {tol:.1e}; {int(nan.sum())} NaN; worst at {idx}: "
-            f"got {out[idx].item():.5f}, want {ref[idx].item():.5f}"
-        )
 
 
 def paged(lens, hkv, d, page, dtype=torch.bfloat16, width=None):
@@ -90,8 +74,8 @@ def test_decode_bf16(hq, hkv, d, page, splits):
                                 return_lse=True, num_splits=splits)  # fmt: skip
     ref, ref_lse = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5,
                                               return_lse=True)  # fmt: skip
-    check(out, ref, BF16_TOL, "decode out")
-    check(lse, ref_lse, LSE_TOL, "decode lse")
+    assert_close(out, ref, BF16_TOL, "decode out")
+    assert_close(lse, ref_lse, LSE_TOL, "decode lse")
 
 
 def test_decode_cuda_graph_replay():
@@ -120,7 +104,7 @@ def test_decode_cuda_graph_replay():
             outs[mode].fill_(float("nan"))
             graph.replay()
             ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5)
-            check(outs[mode], ref, BF16_TOL, f"graph replay {mode} {lens}")
+            assert_close(outs[mode], ref, BF16_TOL, f"graph replay {mode} {lens}")
 
 
 def test_decode_fixed_split_batch_invariant_bf16():
@@ -147,7 +131,7 @@ def test_decode_loop_variants_bf16(monkeypatch, page_vec, split_tail, page):
     ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088)
     for kw in ({}, {"num_splits": 1}, {"split_size": 512}, {"config": (128, 4, 2)}):
         out = decode.decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, **kw)
-        check(out, ref, BF16_TOL, f"decode {page=} {page_vec=} {split_tail=} {kw}")
+        assert_close(out, ref, BF16_TOL, f"decode {page=} {page_vec=} {split_tail=} {kw}")
 
 
 def test_decode_stage_count_does_not_change_the_result():
@@ -162,7 +146,7 @@ def test_decode_stage_count_does_not_change_the_result():
     for out, lse in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
     ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088)
-    check(runs[0][0], ref, BF16_TOL, "decode (64, 4, 2)")
+    assert_close(runs[0][0], ref, BF16_TOL, "decode (64, 4, 2)")
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
@@ -180,8 +164,8 @@ def test_prefill_bf16(d, page):
                                  max_seq_len=int(sl.max()), out=out, return_lse=True)  # fmt: skip
     ref, ref_lse = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt,
                                                d**-0.5, return_lse=True)  # fmt: skip
-    check(out, ref, BF16_TOL, f"prefill d={d} out")
-    check(lse, ref_lse, LSE_TOL, f"prefill d={d} lse")
+    assert_close(out, ref, BF16_TOL, f"prefill d={d} out")
+    assert_close(lse, ref_lse, LSE_TOL, f"prefill d={d} lse")
 
 
 def test_prefill_llama3_8b_4k_chunked():
@@ -193,13 +177,13 @@ def test_prefill_llama3_8b_4k_chunked():
     cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
     whole = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=n)
     ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt, d**-0.5)
-    check(whole, ref, BF16_TOL, "prefill 4K")
+    assert_close(whole, ref, BF16_TOL, "prefill 4K")
     parts = []
     for a, b in ((0, 1000), (1000, 1001), (1001, n)):
         cu_c = torch.tensor([0, b - a], dtype=torch.int32, device="cuda")
         sl_c = torch.tensor([b], dtype=torch.int32, device="cuda")
         parts.append(prefill_attention(q[a:b], k, v, cu_c, sl_c, bt, d**-0.5, max_query_len=b - a))
-    check(torch.cat(parts), whole, 1e-2, "chunked vs whole")
+    assert_close(torch.cat(parts), whole, 1e-2, "chunked vs whole")
 
 
 def test_decode_pdl_matches_plain_launches():
@@ -238,7 +222,7 @@ def test_write_kv_then_decode_chain():
         write_kv(k_new, v_new, k, v, slots)  # directly followed by decode's stage 1
         out = decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=8192)
         ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5)
-        check(out, ref, BF16_TOL, f"chain at {sl.tolist()}")
+        assert_close(out, ref, BF16_TOL, f"chain at {sl.tolist()}")
 
 
 def test_decode_fused_merge_is_race_free():
@@ -255,13 +239,13 @@ def test_decode_fused_merge_is_race_free():
                                  num_splits=splits) for _ in range(30)]  # fmt: skip
         for out in outs[1:]:
             assert torch.equal(out, outs[0]), f"{splits} splits: results differ between runs"
-        check(outs[0], ref, BF16_TOL, f"fused merge, {splits} splits")
+        assert_close(outs[0], ref, BF16_TOL, f"fused merge, {splits} splits")
         decode._FUSE_COMBINE = False
         try:
             two = decode_attention(q, k, v, sl, bt, 128**-0.5, max_seq_len=65536,
                                    num_splits=splits)  # fmt: skip
         finally:
             decode._FUSE_COMBINE = True
-        check(outs[0], two, 1e-3, f"fused vs combine kernel, {splits} splits")
+        assert_close(outs[0], two, 1e-3, f"fused vs combine kernel, {splits} splits")
     torch.cuda.synchronize()
     assert not decode._COUNTERS[q.device].any()
