@@ -326,8 +326,8 @@ LOAD_VARIANTS = {  # name: decode._KV_LOADS (cache modifier, eviction policy, V 
 }
 _BOTH = {"PAGE_VEC": True, "SPLIT_TAIL": True}
 LOOP_VARIANTS = {  # name: (decode._LOOP, time_ours kwargs)
-    "default": ({"PAGE_VEC": False, "SPLIT_TAIL": False}, {}),
-    "page entries once per page": ({"PAGE_VEC": True, "SPLIT_TAIL": False}, {}),
+    "default": ({"PAGE_VEC": True, "SPLIT_TAIL": False}, {}),  # entries once per page
+    "page entries once per token": ({"PAGE_VEC": False, "SPLIT_TAIL": False}, {}),
     "unmasked whole tiles": ({"PAGE_VEC": False, "SPLIT_TAIL": True}, {}),
     "both": (_BOTH, {}),
     "both, (128, 4, 2)": (_BOTH, {"config": (128, 4, 2)}),

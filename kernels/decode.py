@@ -230,15 +230,16 @@ def _decode_split_kernel(
     KV_CACHE: tl.constexpr = "",
     KV_EVICT: tl.constexpr = "",
     V_LATE: tl.constexpr = False,
-    PAGE_VEC: tl.constexpr = False,
+    PAGE_VEC: tl.constexpr = True,
     SPLIT_TAIL: tl.constexpr = False,
     CHAIN: tl.constexpr = False,
+    CHAIN_LATE: tl.constexpr = True,
 ):
     if PDL:  # a separate combine may be scheduled now; it waits for this grid's results itself
         tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
         tl.extra.cuda.gdc_wait()
-    if CHAIN:  # the PDL chain: the layer's next kernel may launch now (it waits for this one)
+    if CHAIN and not CHAIN_LATE:  # the PDL chain: the next kernel may launch now (it waits)
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -290,6 +291,8 @@ def _decode_split_kernel(
             KV_CACHE=KV_CACHE, KV_EVICT=KV_EVICT, V_LATE=V_LATE, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         pages = nxt
+    if CHAIN and CHAIN_LATE:  # the PDL chain: the next kernel may launch once KV is read
+        tl.extra.cuda.gdc_launch_dependents()
 
     empty = l_i == 0.0  # a split with no tokens: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -384,12 +387,18 @@ _FUSE_COMBINE = True
 # the linear layer after it launches early; otherwise nothing after decode launches with PDL.
 _USE_PDL = True
 _PDL_STAGE1 = True
+# In the chain, the kernel lets the next one launch after its KV loop (else at its start:
+# the next kernel's programs then wait on SMs beside this one's for the whole call).
+_CHAIN_LATE = True
 # K/V tile loads: (cache modifier, eviction policy, V loaded after the softmax); tuning only
 # (H100: none moved a point by more than the spread, docs/benchmarks/kernels-notes.md run 6).
 _KV_LOADS = ("", "", False)
-# Loop variants to measure (`--sweep loop`): the block-table entries of a tile loaded once per
-# page (PAGE_VEC), whole tiles without masks and the partial one apart (SPLIT_TAIL).
-_LOOP = {"PAGE_VEC": False, "SPLIT_TAIL": False}
+# KV-loop variants (`--sweep loop`): the block-table entries of a tile loaded once per page
+# (PAGE_VEC, on), whole tiles without masks and the partial one apart (SPLIT_TAIL, off). H100,
+# medians of 3 alternated rounds, µs, once per page / once per token / SPLIT_TAIL alone: 1x4K
+# 11.4 / 11.9 / 12.2, 1x16K 29.0 / 29.8 / 30.3, 1x128K 184.5 / 187.1 / 186.1, 8x4K 51.2 / 51.7
+# / 52.5, 32x16K 720.5 / 725.1 / 722.6 (docs/benchmarks/kernels.md).
+_LOOP = {"PAGE_VEC": True, "SPLIT_TAIL": False}
 
 
 def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
@@ -583,7 +592,7 @@ def _launch(
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_CACHE=_KV_LOADS[0], KV_EVICT=_KV_LOADS[1], V_LATE=_KV_LOADS[2], **_LOOP,
-        CHAIN=pdl and _PDL_STAGE1 and pdl_chain(q.device),
+        CHAIN=pdl and _PDL_STAGE1 and pdl_chain(q.device), CHAIN_LATE=_CHAIN_LATE,
         num_warps=num_warps, num_stages=num_stages, **stage1_extra,
     )  # fmt: skip
     if direct or fused:

@@ -148,6 +148,7 @@ def test_pdl_chain_gives_the_same_tokens(prompts, monkeypatch, enforce_eager):
 
     if not common.pdl_trigger(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90+")
+    monkeypatch.setattr(common, "PDL_CHAIN", False)
     plain = _generate(prompts, enforce_eager=enforce_eager, max_num_seqs=8)
     monkeypatch.setattr(common, "PDL_CHAIN", True)
     assert common.pdl_chain(torch.device("cuda"))

@@ -166,9 +166,9 @@ def test_decode_split_vs_no_split(dtype):
 
 @pytest.mark.parametrize(
     "loop",
-    [{"PAGE_VEC": True, "SPLIT_TAIL": False}, {"PAGE_VEC": False, "SPLIT_TAIL": True},
+    [{"PAGE_VEC": False, "SPLIT_TAIL": False}, {"PAGE_VEC": False, "SPLIT_TAIL": True},
      {"PAGE_VEC": True, "SPLIT_TAIL": True}],
-    ids=["page-vec", "split-tail", "both"],
+    ids=["entry-per-token", "split-tail", "both"],
 )  # fmt: skip
 @pytest.mark.parametrize("d, page", [(64, 16), (96, 16), (64, 128)])
 def test_decode_loop_variants_match_the_reference(monkeypatch, loop, d, page):
