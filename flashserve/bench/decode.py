@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
-            "pdl_chain": pdl_chain(device),  # FLASHSERVE_PDL_CHAIN, on by default (kernels/common.py)
+            "pdl_chain": pdl_chain(device),  # FLASHSERVE_PDL_CHAIN (kernels/common.py)
             "copy_bandwidth_gbs": bandwidth / 1e9,
             "weight_bytes_read": weights,
             "kv_bytes_per_token": kv_per_token,
