@@ -69,8 +69,7 @@ class Launched:
         """Wait for the step; its tokens in the order of ``seqs``."""
         if self.done is not None:
             self.done.synchronize()
-        ids, logprobs = self.host[:, : len(self.seqs)].tolist()
-        return [SampledToken(int(i), lp, None) for i, lp in zip(ids, logprobs)]
+        return _picked(self.host.tolist(), len(self.seqs))
 
 
 class ModelRunner:
@@ -257,8 +256,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(host):
             logits, greedy = self.graphs.run(host)  # [B, V] fp32; every decode samples
             if self.sampler.plain_greedy(sampling):
-                ids, logprobs = greedy.tolist()  # the step's one device -> host copy
-                return [SampledToken(int(i), lp, None) for i, lp in zip(ids, logprobs[: len(seqs)])]
+                return _picked(greedy.tolist(), len(seqs))  # the step's one device -> host copy
         else:
             logits = self._forward_eager(host)
             if logits is None:
@@ -307,6 +305,12 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return Launched(seqs, picks, landing, done)
+
+
+def _picked(picks: list[list[float]], n: int) -> list[SampledToken]:
+    """The first ``n`` rows of picks read back as [token ids, logprobs]."""
+    ids, logprobs = picks
+    return [SampledToken(int(i), lp, None) for i, lp in zip(ids[:n], logprobs[:n])]
 
 
 def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:

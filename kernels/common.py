@@ -37,9 +37,16 @@ def pdl_trigger(device: torch.device) -> bool:
     )
 
 
+@functools.cache
+def pdl_wait(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` can be launched early and wait in-kernel for the one
+    before it (sm_90+, a Triton with ``gdc_wait``)."""
+    return pdl_trigger(device) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
 def pdl_chain(device: torch.device) -> bool:
     """Whether kernels on ``device`` join the PDL chain (``PDL_CHAIN`` on, sm_90+)."""
-    return PDL_CHAIN and pdl_trigger(device) and hasattr(tl.extra.cuda, "gdc_wait")
+    return PDL_CHAIN and pdl_wait(device)
 
 
 def pdl_kwargs(device: torch.device) -> dict:

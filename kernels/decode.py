@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import SplitCounters, pdl_chain
+from kernels.common import SplitCounters, check_kv_pages, pdl_chain, pdl_wait
 from kernels.common import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
@@ -450,13 +450,7 @@ _split_counters = _COUNTERS.take
 
 @functools.cache
 def _pdl_supported(device: torch.device) -> bool:
-    return (
-        _USE_PDL
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] >= 9
-        and hasattr(tl.extra, "cuda")
-        and hasattr(tl.extra.cuda, "gdc_wait")
-    )
+    return _USE_PDL and pdl_wait(device)
 
 
 def decode_attention(
@@ -615,15 +609,11 @@ def _check(q, k_cache, v_cache, seq_lens, block_tables, d, hkv):
         raise ValueError(f"q {tuple(q.shape)} must be [B, Hq, {d}]")
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads")
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    check_kv_pages(k_cache, v_cache, hkv, d)
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} differ")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1:
-        raise ValueError("the head dim of q and the caches must be contiguous")
-    page = k_cache.shape[1]
-    if page & (page - 1):
-        raise ValueError(f"page size {page} must be a power of two")
+    if q.stride(2) != 1:
+        raise ValueError("the head dim of q must be contiguous")
     if seq_lens.dtype != torch.int32 or block_tables.dtype != torch.int32:
         raise ValueError("seq_lens and block_tables must be int32")
     if block_tables.dim() != 2 or block_tables.shape[0] < q.shape[0]:
