@@ -17,7 +17,6 @@ from flashserve.sampler_inputs import (
     Staging,
     TokenArrays,
     as_float,
-    is_greedy,
     pack_penalties,
     pack_sampling,
 )
@@ -108,7 +107,10 @@ def _top_k_top_p(scaled: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         ranked = ranked.masked_fill(positions >= k.unsqueeze(1), float("-inf"))
         cum = ranked.softmax(dim=-1).cumsum(dim=-1)
         before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # exclusive cumsum, monotone
-        kept = (before < b.top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # [S, 1], >= 1
+        # [S, 1]: >= 1 for any top_p > 0; the clamp keeps a row whose top_p is 0 (or whose
+        # probabilities are NaN) on its best token instead of gathering at index -1, which on
+        # CUDA is a device-side assert that poisons the whole context
+        kept = (before < b.top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
         p_cut = ranked.gather(1, kept - 1)
         p_cut = torch.where(b.top_p.unsqueeze(1) < 1.0, p_cut, float("-inf"))
         cut = torch.maximum(cut, p_cut)
@@ -138,7 +140,7 @@ class Sampler:
     def plain_greedy(seqs: list[Sequence]) -> bool:
         """Every row greedy, without penalties or top logprobs: its token is the argmax of the
         raw logits and its logprob the log-softmax there, which a CUDA graph computes itself."""
-        return all(is_greedy(s) for s in seqs) and Sampler.overlappable(seqs)
+        return all(s.params.greedy for s in seqs) and Sampler.overlappable(seqs)
 
     @staticmethod
     def overlappable(seqs: list[Sequence]) -> bool:
@@ -156,7 +158,7 @@ class Sampler:
         """Host -> device, in one copy: per-row parameters and, if used, penalty histories.
         ``ahead``: each row's last token is still on the device (a step queued ahead), so the
         token sampled is one further than ``num_tokens`` says."""
-        sampled = [i for i, s in enumerate(seqs) if not is_greedy(s)]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         packer = Packer()
         if sampled:
             pack_sampling(packer, seqs, sampled, int(ahead))

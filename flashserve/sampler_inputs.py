@@ -9,10 +9,6 @@ import torch
 
 from flashserve.sequence import Sequence
 
-# Temperatures below this sample greedily: dividing by them can overflow float32 (1e2 / 1e-37 is
-# inf), and at 1e-5 a logit gap of 1e-3 is already a factor e**100 between probabilities.
-_MIN_TEMPERATURE = 1e-5
-
 
 class Staging:
     """One reused pinned host buffer for the step's single host -> device copy.
@@ -69,10 +65,6 @@ def float_bits(rows: list[list[float]]) -> np.ndarray:
 def as_float(bits: torch.Tensor) -> torch.Tensor:
     """Inverse of float_bits on the device: [C, S] int64 -> [C, S] float32."""
     return bits.to(torch.int32).view(torch.float32)
-
-
-def is_greedy(seq: Sequence) -> bool:
-    return seq.params.temperature < _MIN_TEMPERATURE
 
 
 def pack_sampling(packer: Packer, seqs: list[Sequence], rows: list[int], ahead: int = 0) -> None:

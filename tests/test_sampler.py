@@ -16,7 +16,7 @@ from flashserve.sampling_noise import (
     hash32_,
     row_keys,
 )
-from flashserve.sampling_params import SamplingParams
+from flashserve.sampling_params import InvalidParam, SamplingParams
 from flashserve.sequence import Sequence
 
 M32 = 0xFFFFFFFF
@@ -242,6 +242,73 @@ def test_tiny_top_p_keeps_the_best_token():
     logits = torch.randn(n, v)
     tokens = Sampler(v, "cpu")(logits, Sampler(v, "cpu").prepare(many_seeds(n, v, top_p=1e-6)))
     assert torch.equal(tokens.token_ids, logits.argmax(-1))
+
+
+def test_zero_top_p_on_the_device_picks_the_best_token_instead_of_indexing_out_of_bounds():
+    """A row whose top_p reaches the device as 0 (SamplingParams refuses it, but the sampler must
+    not trust that: on CUDA an index of -1 is a device-side assert) keeps its best token, and
+    the other rows of the batch sample as they would alone."""
+    n, v = 8, 64
+    logits = torch.randn(n, v)
+    seqs = many_seeds(n, v, top_p=0.9)
+    sampler = Sampler(v, "cpu")
+    alone = sampler(logits, sampler.prepare(seqs)).token_ids
+    batch = sampler.prepare(seqs)
+    top_p = batch.top_p.clone()
+    top_p[3] = 0.0
+    out = sampler(logits, dataclasses.replace(batch, top_p=top_p))
+    assert out.token_ids[3] == logits[3].argmax()
+    others = [i for i in range(n) if i != 3]
+    assert torch.equal(out.token_ids[others], alone[others])
+
+
+def test_nan_logits_in_one_row_leave_the_other_rows_alone():
+    n, v = 6, 40
+    logits = torch.randn(n, v)
+    seqs = many_seeds(n, v, top_p=0.8, top_k=10)
+    sampler = Sampler(v, "cpu")
+    alone = sampler(logits, sampler.prepare(seqs)).token_ids
+    bad = logits.clone()
+    bad[2] = float("nan")
+    out = sampler(bad, sampler.prepare(seqs))
+    assert 0 <= out.token_ids[2] < v
+    others = [i for i in range(n) if i != 2]
+    assert torch.equal(out.token_ids[others], alone[others])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 1e-46),  # 0.0 in float32
+        ("temperature", 1e39),  # inf in float32
+        ("repetition_penalty", 1e-46),
+        ("repetition_penalty", 1e39),
+        ("repetition_penalty", 1e-40),  # a float32 subnormal: logits / r overflow
+        ("top_p", 0.0),
+        ("min_p", 1.5),
+        ("presence_penalty", float("inf")),
+        ("frequency_penalty", -2.5),
+    ],
+)
+def test_sampling_values_are_checked_as_the_device_sees_them(field, value):
+    with pytest.raises(InvalidParam, match=field) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", 1e-46), ("min_p", 1e-46), ("presence_penalty", 1e-46), ("top_p", 1e-30)],
+)
+def test_values_that_round_harmlessly_in_float32_are_served(field, value):
+    params = SamplingParams(**{field: value})
+    assert getattr(params, field) == value
+
+
+def test_one_rule_for_greedy():
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=1e-46).greedy  # would overflow a float32 division
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 def penalised_reference(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
