@@ -93,9 +93,7 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
         raise InvalidParam(name, f"{name} must be in [{lo}, {hi}], got {value}")
 
 
-def _check_float(
-    name: str, value: object, lo: float, hi: float, low_open: bool = False
-) -> None:
+def _check_float(name: str, value: object, lo: float, hi: float, low_open: bool = False) -> None:
     """``value`` must be a finite number in [lo, hi] ((lo, hi] with ``low_open``), both as
     given and once rounded to float32."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
