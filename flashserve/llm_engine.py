@@ -21,6 +21,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from flashserve.block_manager import BlockManager
 from flashserve.config import EngineConfig
 from flashserve.detokenizer import IncrementalDetokenizer
@@ -31,8 +33,16 @@ from flashserve.sampler import Sampler
 from flashserve.sampling_params import SamplingParams
 from flashserve.scheduler import Scheduler, SchedulerOutput
 from flashserve.sequence import FinishReason, Sequence, SequenceStatus
+from flashserve.stop_strings import StopMatcher
 
 logger = logging.getLogger(__name__)
+# what a client sees when its own request fails in the engine (the log has the details)
+REQUEST_FAILED = "the engine could not compute this request; the server log has the details"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (its CUDA context failed): every request fails, and the
+    process should be restarted."""
 
 
 @dataclass
@@ -42,6 +52,7 @@ class Request:
     request_id: str
     seq: Sequence
     detokenizer: IncrementalDetokenizer
+    stops: StopMatcher  # fed every text delta while the request runs
     text: str = ""
     stop_string_hit: bool = False
 
@@ -76,7 +87,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._seed_rng = random.Random(self.config.seed)
-        self._max_stop_len = 0
         self._in_flight: _InFlight | None = None
 
     # ---- requests --------------------------------------------------------------------------
@@ -97,7 +107,8 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**63))
         seq = Sequence(ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        return Request(request_id or uuid.uuid4().hex, seq, detok)
+        stops = StopMatcher(params.stop)  # O(total stop length): here, off the event loop
+        return Request(request_id or uuid.uuid4().hex, seq, detok, stops)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -120,7 +131,6 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self._by_seq[req.seq.seq_id] = req
-        self._max_stop_len = max(self._max_stop_len, *map(len, req.seq.params.stop), 0)
         self.scheduler.add(req.seq)
 
     def add_request(
@@ -155,24 +165,93 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, append the sampled tokens; outputs of requests that got a
         token (or finished). With ``async_scheduling``, the outputs of a decode step come from
-        the ``step()`` call after the one that queued it."""
+        the ``step()`` call after the one that queued it.
+
+        A step that fails fails only the requests it must (``_run_isolating``): the step is
+        run again in halves until the failing rows are alone, and only those end with an
+        error. A failure inside the async pipeline drops the steps in flight (their tokens are
+        computed again) and runs the next step plainly, isolating the same way."""
         prev = self._in_flight
         if prev is not None:
-            self._in_flight = self._queue_next(prev)
-            return self._collect(prev)
+            try:
+                self._in_flight = self._queue_next(prev)
+                return self._collect(prev)
+            except Exception:
+                logger.exception("a queued step failed: running the batch again, step by step")
+                self._drop_in_flight()
+                return self._run_isolating(self.scheduler.schedule())
         sched = self.scheduler.schedule()
-        outputs = [self._fail(self._by_seq[s.seq_id], s.error) for s in sched.errored]
-        if sched.is_empty:
-            return outputs
-        sampling = [s for s in sched.seqs if s.samples_this_step]
         if self.config.async_scheduling and _overlappable(sched):
-            launched = self.runner.launch(sched.seqs, self.runner.prepare(sched.seqs))
+            outputs = self._errored(sched)
+            try:
+                launched = self.runner.launch(sched.seqs, self.runner.prepare(sched.seqs))
+            except Exception:
+                logger.exception("launching a step failed: running it again, step by step")
+                return outputs + self._run_isolating(dataclasses.replace(sched, errored=[]))
             self._in_flight = _InFlight(launched, sched)
             return outputs
-        tokens = self.runner.execute(sched.seqs)
-        self.scheduler.update(sched)
-        outputs += [self._append(self._by_seq[s.seq_id], t) for s, t in zip(sampling, tokens)]
+        return self._run_isolating(sched)
+
+    def _errored(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Outputs of the sequences the scheduler finished because they can never fit."""
+        return [self._fail(self._by_seq[s.seq_id], s.error) for s in sched.errored]
+
+    def _run_isolating(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Run ``sched`` now and append its tokens; the requests whose rows fail even alone
+        end with an error, the others go on as if nothing had happened (a retried row computes
+        the same K/V into the same slots, and samples the same token: its noise depends only
+        on its seed and position)."""
+        outputs = self._errored(sched)
+        if sched.is_empty:
+            return outputs
+        done, failed = self._execute_isolating(sched.seqs)
+        for seq, exc in failed:
+            req = self._by_seq[seq.seq_id]
+            logger.error("request %s failed in the engine, alone: %s: %s",
+                         req.request_id, type(exc).__name__, exc)  # fmt: skip
+            self.scheduler.abort(seq.seq_id)
+            outputs.append(self._fail(req, REQUEST_FAILED))
+        ok = [s for s in sched.seqs if s.seq_id not in {f.seq_id for f, _ in failed}]
+        self.scheduler.update(SchedulerOutput(seqs=ok))
+        outputs += [self._append_or_fail(self._by_seq[s.seq_id], t) for s, t in done]
         return outputs
+
+    def _execute_isolating(
+        self, seqs: list[Sequence]
+    ) -> tuple[list[tuple[Sequence, SampledToken]], list[tuple[Sequence, Exception]]]:
+        """(sequence, token) for the sampling rows of ``seqs`` that ran, and (sequence, error)
+        for those that fail even alone. A failed batch is split in halves (each keeps the
+        decodes-first order), so one bad row among N costs about 2 log2(N) extra steps."""
+        try:
+            tokens = self.runner.execute(seqs)
+        except Exception as exc:
+            self._check_device(exc)
+            if len(seqs) == 1:
+                return [], [(seqs[0], exc)]
+            logger.warning("a step of %d sequences failed (%s: %s): running it in halves",
+                           len(seqs), type(exc).__name__, exc)  # fmt: skip
+            mid = len(seqs) // 2
+            done_a, failed_a = self._execute_isolating(seqs[:mid])
+            done_b, failed_b = self._execute_isolating(seqs[mid:])
+            return done_a + done_b, failed_a + failed_b
+        return list(zip([s for s in seqs if s.samples_this_step], tokens)), []
+
+    def _check_device(self, exc: Exception) -> None:
+        """Raise ``EngineDeadError`` if ``exc`` left the CUDA context unusable (a device-side
+        assert poisons it: every later call fails), where retrying cannot help."""
+        if not self.config.is_cuda:
+            return
+        try:
+            torch.cuda.synchronize(self.config.device)
+        except Exception as dead:
+            raise EngineDeadError(f"the CUDA device failed: {dead}") from exc
+
+    def _drop_in_flight(self) -> None:
+        """Forget the steps queued ahead: their sequences are unscheduled, with nothing of
+        those steps appended, so the next plan computes the same tokens again."""
+        self._in_flight = None
+        for seq in self.scheduler.running:
+            seq.num_scheduled_tokens = 0
 
     def _queue_next(self, prev: _InFlight) -> _InFlight | None:
         """Queue the decode step after ``prev`` before reading ``prev``'s tokens: for every
@@ -211,8 +290,19 @@ class LLMEngine:
                 continue  # stopped by an earlier token, or aborted, while this step ran
             if fl.sched is None:
                 seq.num_computed_tokens += 1
-            outputs.append(self._append(self._by_seq[seq.seq_id], tok))
+            outputs.append(self._append_or_fail(self._by_seq[seq.seq_id], tok))
         return outputs
+
+    def _append_or_fail(self, req: Request, tok: SampledToken) -> RequestOutput:
+        """``_append``; if the host side of one request fails (detokenizing, stop checks), that
+        request ends with an error and the others of the step go on."""
+        try:
+            return self._append(req, tok)
+        except Exception:
+            logger.exception("request %s failed after its token was sampled", req.request_id)
+            if req.seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.abort(req.seq.seq_id)
+            return self._fail(req, REQUEST_FAILED)
 
     def _fail(self, req: Request, error: str | None) -> RequestOutput:
         out = self._close(req, FinishReason.ERROR, [])
@@ -227,7 +317,7 @@ class LLMEngine:
         special = self.tokenizer.is_special(tok.token_id)
         text = self.tokenizer.convert_ids_to_tokens([tok.token_id])[0] if special else delta
         token = TokenOutput(tok.token_id, text, tok.logprob, special, self._top(tok))
-        reason = self._stop_reason(req, tok.token_id, len(delta))
+        reason = self._stop_reason(req, tok.token_id, delta)
         if reason is None:
             return self._output(req, [token], False, None)
         if not req.stop_string_hit:
@@ -240,25 +330,25 @@ class LLMEngine:
             return None
         return [(i, self.tokenizer.decode([i], skip_special_tokens=False), lp) for i, lp in tok.top]
 
-    def _stop_reason(self, req: Request, token_id: int, delta_len: int) -> str | None:
+    def _stop_reason(self, req: Request, token_id: int, delta: str) -> str | None:
         seq, params = req.seq, req.seq.params
         if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return FinishReason.EOS
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
-        if params.stop and self._cut_stop_string(req, delta_len):
+        if params.stop and self._cut_stop_string(req, delta):
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
-    def _cut_stop_string(self, req: Request, delta_len: int) -> bool:
-        """Find a stop string that this token's text completed; cut the output before it."""
-        start = max(0, len(req.text) - delta_len - self._max_stop_len + 1)
-        hits = [i for s in req.seq.params.stop if (i := req.text.find(s, start)) >= 0]
-        if not hits:
+    def _cut_stop_string(self, req: Request, delta: str) -> bool:
+        """Find a stop string that this token's text ``delta`` completed; cut the output
+        before it (before the earliest-starting one, when the text completed several)."""
+        at = req.stops.feed(delta)
+        if at is None:
             return False
-        req.text = req.text[: min(hits)]
+        req.text = req.text[:at]
         req.stop_string_hit = True
         return True
 
@@ -279,6 +369,7 @@ class LLMEngine:
             num_generated_tokens=seq.num_output_tokens,
             seed=seq.params.seed,
             prompt_token_ids=seq.prompt_token_ids,
+            held_back=0 if finished else req.stops.held_back,
         )
 
 

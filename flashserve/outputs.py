@@ -30,6 +30,9 @@ class RequestOutput:
     seed: int | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # set with finish_reason "error"
+    # trailing characters of generated_text that could still begin a stop string (0 once
+    # finished): a stream holds them back until a later output tells
+    held_back: int = 0
 
 
 @dataclass

@@ -101,7 +101,7 @@ async def completions(
               for p, i in zip(prompts, ids)]  # fmt: skip
     jobs = [(p, sp) for p in ids for sp in params]
     run = await _start(request, llm, "cmpl", jobs)
-    choices = [Choice(k, body.stop_list) for k in range(len(jobs))]
+    choices = [Choice(k) for k in range(len(jobs))]
     for c in choices:
         c.offset = len(echoes[c.index // body.n])
     prompt_tokens = sum(map(len, ids))
@@ -269,7 +269,7 @@ async def _chat_events(body: ChatRequest, run: _Run, prompt: int) -> AsyncIterat
         return _sse(ChatChunk(id=run.id, created=run.created, model=run.model, choices=[c]))
 
     usage_object = "chat.completion.chunk" if body.include_usage else None
-    choices = [Choice(k, body.stop_list) for k in range(body.n)]
+    choices = [Choice(k) for k in range(body.n)]
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
     async for index, out in _outputs(run, usage_object, prompt):

@@ -1,8 +1,9 @@
 """Engine outputs -> the pieces of OpenAI responses: streamed text, finish reasons, logprobs.
 
 Streaming never shows a stop string: the engine cuts a stop string out of ``generated_text``
-only once the string is complete, so text that could still become the start of one is held
-back until the next token tells (``Choice.delta``).
+only once the string is complete, so text that could still become the start of one (the
+engine counts it: ``RequestOutput.held_back``) is held back until the next token tells
+(``Choice.delta``).
 """
 
 from __future__ import annotations
@@ -29,23 +30,11 @@ def finish_reason(out: RequestOutput) -> str | None:
     return _FINISH_REASONS.get(out.finish_reason or "length", out.finish_reason)
 
 
-def held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of ``text`` could begin one of ``stops``."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
-
-
 @dataclass
 class Choice:
     """One choice's progress through a stream: what of its text has been sent."""
 
     index: int
-    stops: list[str]
     sent: int = 0  # characters of generated_text already sent
     offset: int = 0  # text offset of the next token (completions' logprobs)
 
@@ -53,7 +42,7 @@ class Choice:
         """The text ``out`` adds that is safe to send: all of it once finished, otherwise all
         but a tail that may start a stop string."""
         text = out.generated_text
-        end = len(text) if out.finished else len(text) - held_back(text, self.stops)
+        end = len(text) if out.finished else len(text) - out.held_back
         new = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return new

@@ -1,0 +1,79 @@
+"""The stop-string matcher against a brute-force reference: the text searched again after each
+piece (what the engine and the streams did before the matcher), on random strings."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashserve.stop_strings import StopMatcher
+
+# a small alphabet makes overlaps, repeats and partial matches frequent
+TEXT = st.text(alphabet="abc", max_size=8)
+STOPS = st.lists(st.text(alphabet="abc", min_size=1, max_size=6), min_size=1, max_size=4)
+
+
+def _reference(text: str, piece: int, stops: list[str]) -> tuple[int | None, int]:
+    """(where the earliest stop string that the last ``piece`` characters of ``text``
+    completed begins, or None; the longest tail of ``text`` that is a proper prefix of a stop
+    string), by searching the whole text."""
+    ends = [(i, len(s)) for s in stops for i in range(len(text) - len(s) + 1)
+            if text.startswith(s, i) and i + len(s) > len(text) - piece]  # fmt: skip
+    cut = min((i for i, _ in ends), default=None)
+    tail = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return cut, tail
+
+
+@settings(max_examples=400, deadline=None)
+@given(stops=STOPS, pieces=st.lists(TEXT, max_size=12))
+def test_matcher_equals_searching_the_whole_text(stops, pieces):
+    matcher, text = StopMatcher(stops), ""
+    for piece in pieces:
+        text += piece
+        cut = matcher.feed(piece)
+        want_cut, want_tail = _reference(text, len(piece), stops)
+        assert cut == want_cut, (text, piece, stops)
+        if cut is not None:
+            return  # the request ends here
+        assert matcher.held_back == want_tail, (text, stops)
+
+
+def test_earliest_start_wins_when_one_piece_completes_several():
+    """The stop "abc" begins before "b", though "b" completes first: the cut is at "abc"."""
+    matcher = StopMatcher(["b", "abc"])
+    assert matcher.feed("xa") is None and matcher.held_back == 1
+    assert matcher.feed("bc") == 1
+
+
+def test_no_stop_strings():
+    matcher = StopMatcher([])
+    assert matcher.feed("anything") is None and matcher.held_back == 0
+
+
+def test_empty_stop_string_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        StopMatcher(["a", ""])
+
+
+def test_cost_per_piece_does_not_grow_with_the_text_or_the_stop_length():
+    """16 stop strings of 100 KB that share the text's prefix (the worst case for a rescan):
+    the last 200 pieces of a 6000-character text cost about what the first 200 did."""
+    text = "ab" * 3000
+    stops = [text[:-2] + "x" * 100_000 + str(i) for i in range(16)]
+    matcher = StopMatcher(stops)
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+
+    def timed(chunk: list[str]) -> float:
+        t0 = time.perf_counter()
+        for p in chunk:
+            assert matcher.feed(p) is None
+        return time.perf_counter() - t0
+
+    first = timed(pieces[:200])
+    timed(pieces[200:-200])
+    last = timed(pieces[-200:])
+    assert matcher.held_back == len(text) - 2  # (ab)^2999 ends the text and begins each stop
+    assert last < 3 * first + 0.005, f"first 200 pieces {first:.4f} s, last 200 {last:.4f} s"
