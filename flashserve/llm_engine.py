@@ -111,9 +111,17 @@ class LLMEngine:
         return Request(request_id or uuid.uuid4().hex, seq, detok, stops)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; text longer than the context could hold is refused before
+        it is tokenized (which, for megabytes, takes seconds)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt must not be empty")
+            least = self.tokenizer.min_tokens(prompt)
+            if least > self.max_model_len:
+                raise ValueError(
+                    f"the prompt has at least {least} tokens ({len(prompt)} characters), over "
+                    f"the context length of {self.max_model_len} tokens"
+                )
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
