@@ -1,5 +1,5 @@
 """The server under abuse, in-process on ``dummy:tiny`` (a hand on the engine behind it): a storm
-of clients that go away mid-stream, a forward pass that fails, an engine thread that dies.
+of clients that go away mid-stream, a request whose rows make a step fail, an engine thread that dies.
 
 After each, the engine must be clean (no running or waiting sequence, every KV block free) and
 serve again, or, when it cannot, say so on ``/health``."""
@@ -7,7 +7,6 @@ serve again, or, when it cannot, say so on ``/health``."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 
@@ -115,26 +114,31 @@ def test_disconnect_storm_frees_everything(llm):
 # ---- a failing forward pass ----------------------------------------------------------------
 
 
-def _arm_fault(monkeypatch, llm: AsyncLLM) -> threading.Event:
-    """The next forward pass (run now, or queued with async scheduling) after ``armed`` is
-    set raises (once)."""
+BAD_SEED = 4242  # the request whose rows make every step that holds them fail
+
+
+def _poison(monkeypatch, llm: AsyncLLM) -> None:
+    """Every forward pass (run now, or queued with async scheduling) whose batch holds the
+    BAD_SEED request raises, as a sampler fault tied to one request's values would."""
     runner = llm.engine.runner
-    execute, launch, armed = runner.execute, runner.launch, threading.Event()
+    execute, launch = runner.execute, runner.launch
 
-    def fault() -> None:
-        if armed.is_set():
-            armed.clear()
-            raise RuntimeError("injected: the device fell over")
+    def fault(seqs) -> None:
+        if any(s.params.seed == BAD_SEED for s in seqs):
+            raise IndexError("injected: index -1 is out of bounds")
 
-    monkeypatch.setattr(runner, "execute", lambda seqs: (fault(), execute(seqs))[1])
-    monkeypatch.setattr(runner, "launch", lambda *a: (fault(), launch(*a))[1])
-    return armed
+    monkeypatch.setattr(runner, "execute", lambda seqs: (fault(seqs), execute(seqs))[1])
+    monkeypatch.setattr(runner, "launch", lambda seqs, *a: (fault(seqs), launch(seqs, *a))[1])
 
 
-def test_failed_forward_pass_fails_its_requests_then_the_engine_serves_again(llm, monkeypatch):
-    armed = _arm_fault(monkeypatch, llm)
+def test_a_request_that_breaks_its_step_fails_alone_and_the_others_finish(llm, monkeypatch):
+    """Four requests run (two streams, two plain) when one whose rows make the step fail
+    joins: it alone gets a 424 with a message that shows no internals; the others finish with
+    every token and no error event; the engine is clean and serves again."""
+    _poison(monkeypatch, llm)
     tgi = {"inputs": "hello", "parameters": {"max_new_tokens": LONG}}
     cmpl = {"prompt": "hello", "max_tokens": LONG, "ignore_eos": True}
+    bad = {"prompt": "hello", "max_tokens": 8, "seed": BAD_SEED, "temperature": 0.7}
     with server_thread(build_app(llm=llm)) as base:
 
         async def stream(ac: httpx.AsyncClient, route: str, body: dict) -> list[str]:
@@ -154,24 +158,24 @@ def test_failed_forward_pass_fails_its_requests_then_the_engine_serves_again(llm
                 while llm.engine.scheduler.num_running < len(tasks):  # all in the batch
                     assert time.monotonic() < deadline, "the requests did not all start"
                     await asyncio.sleep(0.01)
-                armed.set()
-                return await asyncio.gather(*tasks)
+                bad_r = await ac.post("/v1/completions", json=bad)
+                return [bad_r, *await asyncio.gather(*tasks)]
 
-        tgi_r, oai_r, tgi_events, oai_events = asyncio.run(requests())
-        assert tgi_r.status_code == 424, tgi_r.text
-        assert tgi_r.json()["error_type"] == "generation"
-        assert "the device fell over" in tgi_r.json()["error"]
-        assert oai_r.status_code == 424, oai_r.text
-        err = oai_r.json()["error"]
-        assert err["type"] == "server_error" and "the device fell over" in err["message"], err
-        last = list(sse_events(tgi_events))[-1]
-        assert last["error_type"] == "generation" and "fell over" in last["error"], last
+        bad_r, tgi_r, oai_r, tgi_events, oai_events = asyncio.run(requests())
+        assert bad_r.status_code == 424, bad_r.text
+        err = bad_r.json()["error"]
+        assert err["type"] == "server_error" and "could not compute" in err["message"], err
+        assert "injected" not in err["message"] and "index" not in err["message"]
+        assert tgi_r.status_code == 200, tgi_r.text
+        assert oai_r.status_code == 200 and oai_r.json()["usage"]["completion_tokens"] == LONG
+        events = list(sse_events(tgi_events))
+        assert "error" not in events[-1] and events[-1]["details"]["generated_tokens"] == LONG
         assert oai_events[-1] == "data: [DONE]"
-        last = list(sse_events(oai_events[:-1]))[-1]
-        assert last["error"]["type"] == "server_error", last
-        assert "fell over" in last["error"]["message"], last
+        chunks = list(sse_events(oai_events[:-1]))
+        assert not [c for c in chunks if "error" in c], chunks[-1]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
-        _wait_for(lambda: _engine_is_clean(llm), "the engine to free the failed requests")
+        _wait_for(lambda: _engine_is_clean(llm), "the engine to free every request")
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.get(f"{base}/ready").status_code == 200
         r = httpx.post(f"{base}/v1/completions", json={**cmpl, "max_tokens": 4}, timeout=30)
