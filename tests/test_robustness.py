@@ -1,5 +1,6 @@
 """The server under abuse, in-process on ``dummy:tiny`` (a hand on the engine behind it): a storm
-of clients that go away mid-stream, a request whose rows make a step fail, an engine thread that dies.
+of clients that go away mid-stream, a request whose rows make a step fail, an engine thread
+that dies.
 
 After each, the engine must be clean (no running or waiting sequence, every KV block free) and
 serve again, or, when it cannot, say so on ``/health``."""
