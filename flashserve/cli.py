@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import flashserve
 from flashserve.config import ATTENTION_BACKENDS, EngineConfig
 from flashserve.sampling_params import SamplingParams
+from flashserve.text_checks import lone_surrogate
 
 if TYPE_CHECKING:
     from flashserve.llm_engine import LLM
@@ -115,6 +116,8 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from flashserve.llm_engine import LLM  # the model stack loads only when it is needed
 
+    if why := lone_surrogate(args.prompt):  # argv bytes that are not UTF-8 arrive so
+        raise CLIError(f"the prompt {why}", status=2)
     config = engine_config_from_args(args)
     params = _sampling_params(args)
     llm = load_engine(LLM, config)

@@ -8,11 +8,12 @@ error is a ``ParamError``, which names the parameter for the error body's ``para
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flashserve.sampling_params import MAX_LOGPROBS, MAX_TOKENS_LIMIT, SamplingParams
+from server.fields import Text, UnicodeChecked, sent_or, unicode_text
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request
@@ -51,7 +52,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, UnicodeChecked] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -98,13 +99,13 @@ class _SamplingRequest(_Strict):
         seed = None if self.seed is None else (self.seed + choice) % SEED_MOD
         return SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_k=self.top_k or -1,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            temperature=sent_or(self.temperature, 1.0),
+            top_k=sent_or(self.top_k, -1),
+            top_p=sent_or(self.top_p, 1.0),
+            min_p=sent_or(self.min_p, 0.0),
+            presence_penalty=sent_or(self.presence_penalty, 0.0),
+            frequency_penalty=sent_or(self.frequency_penalty, 0.0),
+            repetition_penalty=sent_or(self.repetition_penalty, 1.0),
             seed=seed,
             stop=self.stop_list,
             ignore_eos=self.ignore_eos,
@@ -140,11 +141,11 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _prompt_shape(cls, value: Any) -> Prompt:
         if isinstance(value, str) or _is_ids(value):
-            return value
+            return unicode_text(value)
         if isinstance(value, list) and (
             all(isinstance(p, str) for p in value) or all(_is_ids(p) for p in value)
         ):
-            return value
+            return unicode_text(value)
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids or a list of "
             "lists of token ids"
@@ -181,14 +182,14 @@ def _is_ids(value: Any) -> bool:
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-    name: str | None = None
-    tool_call_id: str | None = None
+    content: Annotated[str | list[TextPart], UnicodeChecked]
+    name: Text | None = None
+    tool_call_id: Text | None = None
 
     def for_template(self) -> dict[str, str]:
         """The message as chat templates expect it: text content; ``developer`` (OpenAI's
@@ -211,7 +212,7 @@ class ChatRequest(_SamplingRequest):
 
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return sent_or(self.max_completion_tokens, self.max_tokens)
 
     def check(self) -> None:
         if not self.messages:
@@ -227,7 +228,7 @@ class ChatRequest(_SamplingRequest):
 
     @property
     def engine_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        return sent_or(self.top_logprobs, 0) if self.logprobs else None
 
 
 # ---- responses ---------------------------------------------------------------------------------

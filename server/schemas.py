@@ -15,6 +15,7 @@ from pydantic import (
 )
 
 from flashserve.sampling_params import SamplingParams
+from server.fields import Text, sent_or
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's router default
 MAX_STOP_SEQUENCES = 4  # TGI's --max-stop-sequences default
@@ -36,7 +37,7 @@ class GenerateParameters(_Strict):
     repetition_penalty: float | None = None
     return_full_text: bool | None = None
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    stop: list[Text] = Field(default_factory=list)
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -52,7 +53,7 @@ class GenerateParameters(_Strict):
 
 
 class GenerateRequest(_Strict):
-    inputs: str
+    inputs: Text
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
 
 
@@ -77,12 +78,12 @@ def to_sampling_params(p: GenerateParameters) -> SamplingParams:
         )
     sampling = p.sampling
     return SamplingParams(
-        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens,
-        temperature=(p.temperature or 1.0) if sampling else 0.0,
-        top_k=p.top_k or -1,
-        top_p=p.top_p or 1.0,
-        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
-        frequency_penalty=p.frequency_penalty or 0.0,
+        max_new_tokens=sent_or(p.max_new_tokens, DEFAULT_MAX_NEW_TOKENS),
+        temperature=sent_or(p.temperature, 1.0) if sampling else 0.0,
+        top_k=sent_or(p.top_k, -1),
+        top_p=sent_or(p.top_p, 1.0),
+        repetition_penalty=sent_or(p.repetition_penalty, 1.0),
+        frequency_penalty=sent_or(p.frequency_penalty, 0.0),
         seed=p.seed,
         stop=p.stop,
     )

@@ -84,6 +84,17 @@ def test_bad_arguments_fail_clearly(capsys, args, status, message):
     assert "Traceback" not in err, err
 
 
+def test_generate_prompt_that_is_not_utf8_is_one_line_and_exit_2():
+    """argv bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer
+    refuses with a TypeError: the prompt is refused first, in one line."""
+    cmd = [sys.executable, "-m", "flashserve", "generate", b"caf\xe9", *TINY]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=180)
+    err = r.stderr.decode(errors="replace").strip()
+    assert r.returncode == 2, err
+    assert err.startswith("flashserve generate: error: the prompt") and "\n" not in err, err
+    assert "U+DCE9 at character 3" in err
+
+
 def test_help_lists_the_commands(capsys):
     status, out, _ = _main(capsys, "--help")
     assert status == 0 and _lists_command(out, "serve") and _lists_command(out, "generate")
