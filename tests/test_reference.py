@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tensor_checks import assert_close
 
 from kernels import reference as ref
 
@@ -69,3 +70,103 @@ def test_decode_equals_last_row_of_prefill():
                                  table[None], 0.25)  # fmt: skip
     dec = ref.decode_attention(q[-1:], kp, vp, lens, table[None], 0.25)
     torch.testing.assert_close(dec[0], full[-1])
+
+
+# ---- the fast path (SDPA) against the explicit math ----------------------------------------
+
+
+def _paged_kv(k: torch.Tensor, v: torch.Tensor, bs: int):
+    """K and V of one sequence in shuffled pages of two pools sharing one block table."""
+    kp, table = _paged(k, bs)
+    vp = torch.empty_like(kp)
+    slots = (table.long()[:, None] * bs + torch.arange(bs)).flatten()[: k.shape[0]]
+    vp.view(-1, *v.shape[1:])[slots] = v
+    return kp, vp, table
+
+
+def _batch(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype):
+    """A step of several sequences in one pool: queries back to back, cu_seqlens, tables."""
+    ks = [torch.randn(n, hkv, d, dtype=dtype) for n in kv_lens]
+    vs = [torch.randn(n, hkv, d, dtype=dtype) for n in kv_lens]
+    pages = [-(-n // bs) for n in kv_lens]
+    perm = torch.randperm(sum(pages) + 2)
+    kp = torch.randn(len(perm), bs, hkv, d, dtype=dtype)
+    vp = torch.randn_like(kp)
+    tables = torch.zeros(len(kv_lens), max(pages), dtype=torch.int32)
+    start = 0
+    for i, (k, v, n) in enumerate(zip(ks, vs, pages)):
+        tables[i, :n] = perm[start : start + n].int()
+        start += n
+        slots = (tables[i, :n].long()[:, None] * bs + torch.arange(bs)).flatten()[: k.shape[0]]
+        kp.view(-1, hkv, d)[slots], vp.view(-1, hkv, d)[slots] = k, v
+    q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, kp, vp, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
+
+
+@pytest.mark.parametrize(
+    "q_len,kv_len",
+    [(1, 1), (1, 77), (3, 3), (17, 17), (129, 129), (5, 40), (64, 100), (37, 301), (300, 301)],
+)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 1)])
+def test_sdpa_path_equals_explicit_math(q_len, kv_len, hq, hkv):
+    """The torch backend's attention (SDPA, no LSE) against the written-out math on the same
+    float32 inputs, and both against float64: odd lengths, a chunk over cached context (Tq <
+    Tk, where SDPA's own causal mask would be aligned wrongly), GQA, a decode row (Tq = 1)."""
+    d, bs = 64, 16
+    q = torch.randn(q_len, hq, d)
+    k, v = torch.randn(kv_len, hkv, d), torch.randn(kv_len, hkv, d)
+    kp, vp, table = _paged_kv(k, v, bs)
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    lens = torch.tensor([kv_len], dtype=torch.int32)
+    args = (kp, vp, cu, lens, table[None], d**-0.5)
+    fast = ref.prefill_attention(q, *args)
+    explicit, _ = ref.prefill_attention(q, *args, return_lse=True)
+    truth = ref.prefill_attention(q.double(), *(a.double() for a in args[:2]), *args[2:])
+    assert fast.dtype == torch.float32
+    assert_close(fast, explicit, 1e-6, f"SDPA vs explicit, Tq {q_len}, Tk {kv_len}")
+    # neither is nearer float64 than float32 rounding allows
+    assert_close(fast, truth, 1e-6, "SDPA vs float64")
+    assert_close(explicit, truth, 1e-6, "explicit vs float64")
+
+
+def test_sdpa_path_in_a_mixed_step():
+    """Several sequences in one call (a decode row, a first chunk, a chunk over 300 cached
+    tokens, an odd one), the way the engine batches a step, with an ``out`` buffer."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    q_lens, kv_lens = [1, 100, 257, 33], [1000, 100, 557, 33]
+    q, kp, vp, cu, lens, tables = _batch(q_lens, kv_lens, hq, hkv, d, bs, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.125, out=out)
+    explicit, _ = ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.125, return_lse=True)
+    for b in range(len(q_lens)):
+        rows = slice(cu[b].item(), cu[b + 1].item())
+        assert_close(out[rows], explicit[rows], 1e-6, f"sequence {b}")
+    dec = ref.decode_attention(q[:1], kp, vp, lens[:1], tables[:1], 0.125)
+    assert_close(dec, explicit[:1], 1e-6, "decode")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_path_computes_half_inputs_in_float32(dtype):
+    """Half-precision caches are upcast as the explicit math upcasts them: the outputs differ
+    by at most the final rounding to ``dtype``."""
+    q, kp, vp, cu, lens, tables = _batch([40, 1], [90, 200], 8, 2, 32, 8, dtype)
+    fast = ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.2)
+    explicit, _ = ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.2, return_lse=True)
+    assert fast.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    assert ((fast.float() - explicit.float()).abs() <= eps * explicit.float().abs() + 1e-6).all()
+
+
+def test_backend_prefill_does_not_materialise_scores():
+    """The torch backend's prefill goes through SDPA: no ``[Hq, Tq, Tk]`` softmax of its own
+    (the explicit math runs ``logsumexp``), which made a 1,800-token prefill 3.7x slower than
+    transformers on 2 CPU cores."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, kp, vp, cu, lens, tables = _batch([64, 1], [200, 90], 9, 3, 64, 16, torch.float32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.125)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in ops
+    assert "aten::logsumexp" not in ops and "aten::masked_fill" not in ops
