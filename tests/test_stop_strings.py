@@ -1,13 +1,17 @@
-"""The stop-string matcher against a brute-force reference: the text searched again after each
-piece (what the engine and the streams did before the matcher), on random strings."""
+"""The stop-string matcher against a brute-force reference (the text searched again after each
+piece, as the engine and the streams did before the matcher) on random strings, and a stream
+with long stop strings from a real server on ``dummy:tiny``."""
 
 from __future__ import annotations
 
+import json
 import time
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_utils import server_process
 
 from flashserve.stop_strings import StopMatcher
 
@@ -77,3 +81,44 @@ def test_cost_per_piece_does_not_grow_with_the_text_or_the_stop_length():
     last = timed(pieces[-200:])
     assert matcher.held_back == len(text) - 2  # (ab)^2999 ends the text and begins each stop
     assert last < 3 * first + 0.005, f"first 200 pieces {first:.4f} s, last 200 {last:.4f} s"
+
+
+# ---- against the server ------------------------------------------------------------------------
+
+# 16 stop strings of 100 KB (the issue's case): letters, so that runs of one letter in the output
+# are held back a while, but 100 KB of one letter never comes
+LONG_STOPS = [chr(ord("a") + i) * 100_000 for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def tiny_url():
+    # 16 x 100 KB of stop strings: a body past the default limit (32 bytes a context token)
+    with server_process("--model", "dummy:tiny", "--max-request-bytes", str(4 * 2**20)) as base:
+        yield base
+
+
+def _stream_text(client: httpx.Client, body: dict) -> tuple[str, list[float]]:
+    """The streamed completion's text, and the arrival time of each of its chunks."""
+    text, times = "", []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[len("data: ") :])["choices"][0]["text"]
+                times.append(time.monotonic())
+    return text, times
+
+
+def test_long_stop_strings_cost_the_same_per_token_all_along_the_stream(tiny_url):
+    """Before the matcher, each token rescanned the text for every stop string: the time per
+    token grew with the text (4x from the first 100 chunks to the last 100 here; 1.2x now)."""
+    # seeded sampling: random tokens, half of them placeholders "<|id|>" of 7 characters
+    body = {"prompt": "hello", "max_tokens": 800, "seed": 7, "ignore_eos": True}
+    with httpx.Client(base_url=tiny_url, timeout=300) as client:
+        plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        text, times = _stream_text(client, {**body, "stop": LONG_STOPS})
+    assert text == plain, "no stop string matches: the stream is the whole text"
+    assert len(times) > 400 and len(plain) > 2000, (len(times), len(plain))
+    first = times[101] - times[1]  # from the second chunk: the first one waits for the prefill
+    last = times[-1] - times[-101]
+    assert last < 2.5 * first + 0.1, f"first 100 chunks {first:.3f} s, last 100 {last:.3f} s"
