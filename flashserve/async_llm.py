@@ -65,6 +65,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self._refusal: str | None = None  # set by fail_requests: every request fails with it
         self.last_step_time = time.monotonic()  # the heartbeat
         self.on_finished: list[Callable[[RequestStats], None]] = []
 
@@ -149,6 +150,12 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def fail_requests(self, error: str) -> None:
+        """End every open request with an error output saying ``error``, and every request
+        added later too: for a shutdown that cannot wait any longer, so that each stream ends
+        with its error event. The engine thread does it, through the inbox."""
+        self._post(("fail", error))
+
     def _post(self, item) -> None:
         self._inbox.put(item)
         self._wake.set()
@@ -194,11 +201,17 @@ class AsyncLLM:
                 return
             if kind == "add":
                 self._add(item)
+            elif kind == "fail":
+                self._refusal = item
+                self._deliver(self.engine.fail_all(item))
             elif (out := self.engine.abort(item)) is not None:
                 self._deliver([out])
 
     def _add(self, req: Request) -> None:
         if req.request_id not in self._streams:  # the caller went away before it started
+            return
+        if self._refusal is not None:
+            self._deliver([RequestOutput(req.request_id, [], True, "error", error=self._refusal)])
             return
         try:
             self.engine.add(req)

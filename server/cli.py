@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 
 from flashserve import cli
-from server.settings import ServerSettings
+from server.settings import BYTES_PER_CONTEXT_TOKEN, ServerSettings
 
 logger = logging.getLogger("flashserve.serve")
 API_KEY_ENV = "FLASHSERVE_API_KEY"
@@ -40,7 +40,7 @@ def _add_production_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-concurrent-requests",
         type=int,
-        help="generation requests served at once (default: no limit)",
+        help="generations run at once (a request with n choices counts n; default: no limit)",
     )
     g.add_argument(
         "--max-queued-requests",
@@ -56,10 +56,30 @@ def _add_production_args(g: argparse._ArgumentGroup) -> None:
         help="seconds a request may wait in that queue before a 503 (default: 60)",
     )
     g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="the largest body a generation request may have; past it, 413 at once "
+        f"(default: {BYTES_PER_CONTEXT_TOKEN} bytes per token of the context, at least 1 MiB)",
+    )
+    g.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's whole body; past them, 408 (default: 30)",
+    )
+    g.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=256,
+        help="completions one request may ask for (OpenAI routes: prompts x n; each is an "
+        "engine request and takes a concurrency slot) (default: 256)",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds that requests in flight get to finish (default: 30)",
+        help="on SIGTERM, seconds that requests in flight get to finish; streams still open "
+        "then end with an error event (default: 30)",
     )
     g.add_argument(
         "--stall-timeout",
@@ -96,14 +116,30 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             max_concurrent_requests=args.max_concurrent_requests,
             max_queued_requests=args.max_queued_requests,
             queue_timeout=args.queue_timeout,
+            max_request_bytes=args.max_request_bytes,
+            request_read_timeout=args.request_read_timeout,
+            max_choices_per_request=args.max_choices_per_request,
             shutdown_timeout=args.shutdown_timeout,
             stall_timeout=args.stall_timeout,
             dead_exit_delay=args.dead_exit_delay if args.dead_exit_delay >= 0 else None,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            api_key=_api_key(args),
             allowed_origins=tuple(origins),
         )
     except ValueError as exc:
         raise cli.CLIError(str(exc), status=2) from exc
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $FLASHSERVE_API_KEY, without surrounding whitespace (a key read from a
+    file or a secret store often ends with a newline, which no client sends); None when
+    neither is set. One set but blank is refused: the server would otherwise run open, or
+    with a key no client can send."""
+    source, key = "--api-key", args.api_key
+    if key is None:
+        source, key = f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise cli.CLIError(f"the API key ({source}) is empty or only whitespace", status=2)
+    return None if key is None else key.strip()
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -2,6 +2,8 @@
 
 - a request the server cannot serve as given (bad JSON or a body that cannot be read, wrong
   types, out-of-range parameters, a prompt too long for the context): 422 ``validation``;
+- a body over ``--max-request-bytes``: 413 ``validation``; a body that does not arrive within
+  ``--request-read-timeout`` seconds: 408 ``timeout`` (both close the connection);
 - a generation that failed inside the engine: 424 ``generation`` (as TGI);
 - the engine not running, the server draining for shutdown, a request that waited in the
   admission queue too long: 503 ``unavailable``;
@@ -45,6 +47,7 @@ class APIError(Exception):
         error_type: str,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status_code = status_code
@@ -52,6 +55,7 @@ class APIError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 class ErrorResponse(BaseModel):
@@ -78,6 +82,8 @@ _STATUS_TEXT = {
     400: "the request cannot be served as sent",
     401: "no or a wrong API key",
     404: "no such model",
+    408: "the request body did not arrive within --request-read-timeout seconds",
+    413: "the request body is over --max-request-bytes",
     422: "the request cannot be served as sent",
     424: "the generation failed in the engine",
     429: "overloaded: past the concurrency and queue limits (Retry-After)",
@@ -157,7 +163,8 @@ def register_error_handlers(app: FastAPI) -> None:
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     path = request.url.path
-    return error_response(path, exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
+    return error_response(path, exc.status_code, exc.message, exc.error_type, exc.param, exc.code,
+                          exc.headers)  # fmt: skip
 
 
 async def _request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -48,14 +48,14 @@ from server.openai_schemas import (
     ParamError,
     Usage,
 )
-from server.routing import STREAM, collect, engine_of, unless_disconnected
+from server.routing import STREAM, admit, collect, engine_of, unless_disconnected
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 _STARTED = int(time.time())
 Streams = list[AsyncGenerator[RequestOutput, None]]
 # OpenAI answers 400 where TGI says 422; "default": any other error, in OpenAI's shape
-_ERRORS = documented(400, 401, 424, 429, 500, 503, "default", openai=True)
+_ERRORS = documented(400, 401, 408, 413, 424, 429, 500, 503, "default", openai=True)
 
 
 @dataclass
@@ -92,7 +92,8 @@ async def completions(
     with _validating():
         body.check()
         prompts = body.prompts()
-        ids = [await _encode(llm, p) for p in prompts]
+        _check_choices(request, len(prompts), body.n)
+        ids = [await _encode(llm, p, "prompt") for p in prompts]
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_TOKENS
         for p in ids:
             _check_context(llm, len(p), max_tokens)
@@ -100,6 +101,7 @@ async def completions(
     echoes = [(p if isinstance(p, str) else llm.tokenizer.decode(i)) if body.echo else ""
               for p, i in zip(prompts, ids)]  # fmt: skip
     jobs = [(p, sp) for p in ids for sp in params]
+    await admit(request, len(jobs))
     run = await _start(request, llm, "cmpl", jobs)
     choices = [Choice(k) for k in range(len(jobs))]
     for c in choices:
@@ -125,10 +127,12 @@ async def chat_completions(body: ChatRequest, request: Request) -> ChatResponse 
     llm = engine_of(request)
     with _validating():
         body.check()
+        _check_choices(request, 1, body.n)
         ids = await _chat_prompt(llm, body)
         max_tokens = body.max_new_tokens or llm.max_model_len - len(ids)
         _check_context(llm, len(ids), max_tokens, body.max_new_tokens is not None)
         params = [body.sampling_params(max_tokens, body.engine_logprobs, j) for j in range(body.n)]
+    await admit(request, body.n)
     run = await _start(request, llm, "chatcmpl", [(ids, sp) for sp in params])
     if body.stream:
         events = _chat_events(body, run, len(ids))
@@ -163,8 +167,30 @@ def _validating(param: str | None = None) -> Iterator[None]:
         raise APIError(400, str(exc), "validation", param, code) from exc
 
 
-async def _encode(llm: AsyncLLM, prompt: str | list[int]) -> list[int]:
+def _check_choices(request: Request, prompts: int, n: int) -> None:
+    """Every choice is an engine request that takes an admission slot: refuse, before any
+    tokenizing, more than ``--max-choices-per-request`` of them, or more than could ever run
+    at once (``--max-concurrent-requests``)."""
+    settings = request.app.state.settings
+    k, param = prompts * n, "prompt" if prompts > 1 else "n"
+    asked = f"this request asks for {k} completions ({prompts} prompt(s) x n={n})"
+    if k > settings.max_choices_per_request:
+        raise ParamError(param, f"{asked}; the server allows at most "
+                         f"{settings.max_choices_per_request} per request")  # fmt: skip
+    running = settings.max_concurrent_requests
+    if running is not None and k > running:
+        raise ParamError(param, f"{asked}; the server runs at most {running} at once")
+
+
+async def _encode(llm: AsyncLLM, prompt: str | list[int], param: str) -> list[int]:
+    """Token ids, on a worker thread; text that cannot fit the context is refused unread."""
     if isinstance(prompt, str):
+        least = llm.tokenizer.min_tokens(prompt)
+        if least > llm.max_model_len:
+            raise ParamError(param, f"This model's maximum context length is "
+                             f"{llm.max_model_len} tokens. However, the prompt has at least "
+                             f"{least} tokens ({len(prompt)} characters). Please reduce the "
+                             "length of the prompt.", "context_length_exceeded")  # fmt: skip
         return await asyncio.to_thread(llm.tokenizer.encode, prompt)
     return list(prompt)  # the engine checks the ids against the vocabulary
 
@@ -176,7 +202,7 @@ async def _chat_prompt(llm: AsyncLLM, body: ChatRequest) -> list[int]:
         text = await asyncio.to_thread(llm.tokenizer.apply_chat_template, messages)
     except ValueError as exc:
         raise ParamError("messages", str(exc)) from exc
-    return await _encode(llm, text)
+    return await _encode(llm, text, "messages")
 
 
 def _check_context(llm: AsyncLLM, prompt: int, max_tokens: int, asked: bool = True) -> None:

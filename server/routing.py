@@ -1,5 +1,6 @@
-"""Route helpers shared by the TGI and OpenAI routes: the engine of the app, collecting a
-request's outputs, cancelling work when the client goes away, the streamed-200 schema."""
+"""Route helpers shared by the TGI and OpenAI routes: the engine of the app, admission,
+collecting a request's outputs, cancelling work when the client goes away, the streamed-200
+schema."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import Request
 
 from flashserve.async_llm import AsyncLLM
 from flashserve.outputs import RequestOutput, TokenOutput
+from server.admission import TICKET
 from server.errors import APIError
 
 T = TypeVar("T")
@@ -27,6 +29,16 @@ def engine_of(request: Request) -> AsyncLLM:
     if not llm.is_running:
         raise APIError(503, "the engine is not running", "unavailable")
     return llm
+
+
+async def admit(request: Request, k: int = 1) -> None:
+    """Take ``k`` admission slots (one per engine request the route will start) for the rest
+    of the request: call it once the request is validated, before starting generations. While
+    it waits in the queue it watches the client: one that goes away leaves the queue at once
+    (499), and its place goes to the next. Raises APIError 429 or 503 (``server.admission``)."""
+    ticket = getattr(request.state, TICKET, None)
+    if ticket is not None:  # None: an app without the Gate (no admission control)
+        await unless_disconnected(request, ticket.acquire(k))
 
 
 async def collect(

@@ -5,7 +5,9 @@ then stop.
 signal sets ``app.state.draining`` (new requests get 503, ``/ready`` says 503) and waits until
 no request is in flight or ``shutdown_timeout`` has passed; then uvicorn closes the
 connections, the app's lifespan stops the engine, and ``run()`` returns (exit status 0). A
-second signal skips the rest of the drain.
+second signal skips the rest of the drain. Requests still open when the timeout expires are
+ended with an error first (``AsyncLLM.fail_requests``): each stream sends its error event and
+ends cleanly, instead of being cut mid-way.
 
 It also watches the engine: once the watchdog calls it dead (``AsyncLLM.stalled_reason``) for
 ``dead_exit_delay`` seconds, the server stops with ``exit_status`` 1, so that a supervisor
@@ -28,6 +30,10 @@ from fastapi import FastAPI
 
 logger = logging.getLogger(__name__)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SHUTTING_DOWN = "the server is shutting down"
+# seconds the requests failed at the shutdown timeout get to send their error event and end:
+# the engine thread fails them within a step, each stream then writes one event
+CUT_GRACE_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -38,6 +44,7 @@ class DrainingServer(uvicorn.Server):
         self.app_state = app.state
         self.shutdown_timeout = shutdown_timeout
         self._deadline: float | None = None
+        self._cut_deadline: float | None = None  # set once the open requests are failed
         self._dead_since: float | None = None
         self.exit_status = 0
 
@@ -56,10 +63,22 @@ class DrainingServer(uvicorn.Server):
             if self.app_state.in_flight == 0:
                 self.should_exit = True
             elif time.monotonic() > self._deadline:
-                logger.warning("shutdown timeout: closing %d request(s) still in flight",
-                               self.app_state.in_flight)  # fmt: skip
-                self.should_exit = True
+                self._cut()
         return await super().on_tick(counter)
+
+    def _cut(self) -> None:
+        """Past the shutdown timeout: end every open request with an error, give the streams
+        ``CUT_GRACE_S`` to send their error events, then stop."""
+        now = time.monotonic()
+        if self._cut_deadline is None:
+            logger.warning("shutdown timeout: ending %d request(s) still in flight with an error",
+                           self.app_state.in_flight)  # fmt: skip
+            self._cut_deadline = now + CUT_GRACE_S
+            llm = getattr(self.app_state, "llm", None)
+            if llm is not None:
+                llm.fail_requests(SHUTTING_DOWN)
+        elif now > self._cut_deadline:
+            self.should_exit = True
 
     def _watch_engine(self) -> None:
         state = self.app_state

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -15,7 +16,7 @@ from flashserve.async_llm import AsyncLLM
 from flashserve.outputs import RequestOutput, TokenOutput
 from flashserve.sampling_params import SamplingParams
 from server.errors import APIError, documented, error_body, validating
-from server.routing import STREAM, collect, engine_of, unless_disconnected
+from server.routing import STREAM, admit, collect, engine_of, unless_disconnected
 from server.schemas import (
     CompatGenerateRequest,
     Details,
@@ -30,7 +31,7 @@ from server.schemas import (
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-GENERATE_ERRORS = (401, 422, 429, 500, 503)
+GENERATE_ERRORS = (401, 408, 413, 422, 429, 500, 503)
 
 
 @router.get("/info", responses=documented(401, 503))
@@ -50,7 +51,8 @@ async def info(request: Request) -> Info:
 @router.post("/generate", responses=documented(*GENERATE_ERRORS, 424))
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     llm = engine_of(request)
-    prompt, params = _prepare(request, llm, body)
+    prompt, params = await _prepare(request, llm, body)
+    await admit(request)
     first, outputs = await _start(request, llm, prompt, params)
     try:
         tokens, last = await unless_disconnected(request, collect(first, outputs))
@@ -78,7 +80,8 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
 )
 async def generate_stream(body: GenerateRequest, request: Request) -> StreamingResponse:
     llm = engine_of(request)
-    prompt, params = _prepare(request, llm, body)
+    prompt, params = await _prepare(request, llm, body)
+    await admit(request)
     first, outputs = await _start(request, llm, prompt, params)
     events = _events(body, first, outputs)
     return StreamingResponse(events, media_type="text/event-stream")
@@ -103,23 +106,30 @@ async def compat_generate(
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def _prepare(
+async def _prepare(
     request: Request, llm: AsyncLLM, body: GenerateRequest
 ) -> tuple[str | list[int], SamplingParams]:
+    """The prompt (text, or token ids with ``truncate``) and the sampling parameters; 422 when
+    they are bad. The chat template and the tokenizer run on a worker thread: the inputs may
+    be as long as the body limit allows, and the event loop must keep answering (/health)."""
     with validating():
         params = to_sampling_params(body.parameters)
         if not body.inputs:
             raise ValueError("`inputs` cannot be empty")
-        prompt = _as_prompt(llm, body.inputs, request.app.state.raw_prompts)
         truncate = body.parameters.truncate
-        if truncate is None:
-            return prompt, params
-        if truncate >= llm.max_model_len:
+        if truncate is not None and truncate >= llm.max_model_len:
             raise ValueError(
                 f"`truncate` must be strictly positive and less than {llm.max_model_len}. "
                 f"Given: {truncate}"
             )
-        return llm.tokenizer.encode(prompt)[-truncate:], params
+        raw = request.app.state.raw_prompts
+        prompt = await asyncio.to_thread(_as_prompt, llm, body.inputs, raw)
+        if truncate is None:
+            return prompt, params  # the engine refuses text longer than the context holds
+        # text longer than the context is legitimate here: the last ``truncate`` tokens are
+        # kept. Only the body limit bounds the text tokenized.
+        ids = await asyncio.to_thread(llm.tokenizer.encode, prompt)
+        return ids[-truncate:], params
 
 
 def _as_prompt(llm: AsyncLLM, inputs: str, raw: bool) -> str:
