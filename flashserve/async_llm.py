@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from flashserve.config import EngineConfig
-from flashserve.llm_engine import LLMEngine, Request
+from flashserve.llm_engine import EngineDeadError, LLMEngine, Request
 from flashserve.outputs import RequestOutput
 from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+STEP_FAILED = "the engine failed a step; the server log has the details"
 
 
 @dataclass
@@ -186,9 +187,11 @@ class AsyncLLM:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a failed step fails its requests, not the server
+            except EngineDeadError:
+                raise  # the device is gone: the thread dies, /health says so, a restart helps
+            except Exception:  # not a request's fault (the step isolates those): fail them all
                 logger.exception("engine step failed")
-                outputs = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
+                outputs = self.engine.fail_all(STEP_FAILED)
             self.last_step_time = time.monotonic()
             self._deliver(outputs)
         self._deliver(self.engine.fail_all("the server is shutting down"))

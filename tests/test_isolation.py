@@ -137,3 +137,46 @@ def test_a_step_that_fails_for_everyone_fails_everyone_and_the_engine_serves_aga
     broken[0] = False
     expected = [c.token_ids for c in _llm().generate(prompts, params)]
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+
+
+def test_a_dead_cuda_context_stops_the_engine_instead_of_retrying(monkeypatch):
+    """After a device-side assert every CUDA call fails: retrying rows cannot help, so a failed
+    step whose device no longer synchronizes raises EngineDeadError, which ends AsyncLLM's
+    thread (its streams get an error, /health turns 503, the server exits for a restart)."""
+    import asyncio
+
+    import torch
+
+    from flashserve.async_llm import AsyncLLM
+    from flashserve.config import EngineConfig as Config
+    from flashserve.llm_engine import EngineDeadError
+
+    llm = AsyncLLM(Config(model="dummy:tiny", max_kv_tokens=4096, async_scheduling=False))
+    runner, calls = llm.engine.runner, [0]
+    execute = runner.execute
+
+    def assert_on_device(seqs):
+        if calls[0] >= 2:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        calls[0] += 1
+        return execute(seqs)
+
+    def dead_sync(device=None):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(runner, "execute", assert_on_device)
+    monkeypatch.setattr(Config, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "synchronize", dead_sync)
+
+    async def one() -> list:
+        params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+        return [out async for out in llm.generate([5, 6, 7], params)]
+
+    llm.start()
+    try:
+        outs = asyncio.run(one())
+    finally:
+        llm.shutdown()
+    assert outs[-1].finish_reason == "error" and "EngineDeadError" in outs[-1].error
+    assert isinstance(llm.error, EngineDeadError)
+    assert calls[0] == 2  # no retry in halves or alone after the device died
