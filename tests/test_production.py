@@ -54,13 +54,14 @@ def test_past_concurrency_and_queue_exactly_k_requests_get_429(limited):
                      for _ in range(C + Q + K)]  # fmt: skip
             while sum(t.done() for t in tasks) < K:  # the refusals come back at once
                 await asyncio.sleep(0.01)
-            # still full: each API refuses in its own shape
+            # still full: each API refuses in its own shape (valid requests: admission comes
+            # after validation)
             tgi = await ac.post("/generate", json={"inputs": "hi"})
-            chat = await ac.post("/v1/chat/completions", json={"messages": []})
-            return list(await asyncio.gather(*tasks)), tgi, chat
+            ids = await ac.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            return list(await asyncio.gather(*tasks)), tgi, ids
 
     t0 = time.monotonic()
-    responses, tgi, chat = asyncio.run(burst())
+    responses, tgi, ids = asyncio.run(burst())
     statuses = sorted(r.status_code for r in responses)
     assert statuses == [200] * (C + Q) + [429] * K, statuses
     for r in responses:
@@ -73,14 +74,15 @@ def test_past_concurrency_and_queue_exactly_k_requests_get_429(limited):
     assert time.monotonic() - t0 < 100
     assert tgi.status_code == 429 and tgi.headers["retry-after"] == "1"
     assert tgi.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
-    assert chat.status_code == 429 and set(chat.json()["error"]) == {
+    assert ids.status_code == 429 and set(ids.json()["error"]) == {
         "message", "type", "param", "code"}  # fmt: skip
     # the slots came back: the server serves again, and says so in its metrics
     r = httpx.post(f"{limited}/v1/completions", json=_long(4), timeout=60)
     assert r.status_code == 200, r.text
     samples = _samples(limited)
+    # the burst's K and the token-id request after them
     assert samples[("flashserve_http_requests_total", (("route", "/v1/completions"),
-                                                       ("status", "429")))] == K  # fmt: skip
+                                                       ("status", "429")))] == K + 1  # fmt: skip
 
 
 def test_cors_is_off_by_default(limited):
@@ -432,6 +434,31 @@ def test_admission_hands_slots_over_in_order_and_survives_cancelled_waiters():
     asyncio.run(scenario())
 
 
+def test_admission_counts_slots_first_come_first_served():
+    """A waiter for k slots at the head keeps smaller ones behind it waiting (no starving);
+    when it leaves, the one behind takes what is free at once."""
+    from server.admission import Admission
+
+    async def scenario() -> None:
+        adm = Admission(max_concurrent=3, max_queued=2, queue_timeout=5)
+        await adm.acquire(2)
+        big = asyncio.ensure_future(adm.acquire(3))
+        await asyncio.sleep(0.01)
+        small = asyncio.ensure_future(adm.acquire(1))  # one slot is free, but big is first
+        await asyncio.sleep(0.01)
+        assert not big.done() and not small.done() and adm.waiting == 2 and adm.running == 2
+        big.cancel()
+        await asyncio.sleep(0.01)
+        assert small.done() and adm.running == 3 and adm.waiting == 0
+        adm.release(2)
+        adm.release(1)
+        assert adm.running == 0
+        with pytest.raises(ValueError):
+            await adm.acquire(4)  # could never run: the routes refuse it first (400)
+
+    asyncio.run(scenario())
+
+
 def test_serve_settings_from_the_command_line(monkeypatch):
     import argparse
 
@@ -447,10 +474,18 @@ def test_serve_settings_from_the_command_line(monkeypatch):
     assert s.api_key == "from-env" and s.max_concurrent_requests is None
     assert s.allowed_origins == ("https://a.test", "https://b.test", "https://c.test")
     assert settings_from_args(parser.parse_args(["--api-key", "flag"])).api_key == "flag"
+    assert settings_from_args(parser.parse_args(["--api-key", " flag\n"])).api_key == "flag"
+    monkeypatch.setenv("FLASHSERVE_API_KEY", "\tfrom-env\r\n")
+    assert settings_from_args(parser.parse_args([])).api_key == "from-env"
     monkeypatch.delenv("FLASHSERVE_API_KEY")
-    assert settings_from_args(parser.parse_args([])).api_key is None
+    s = settings_from_args(parser.parse_args([]))
+    assert s.api_key is None and s.max_request_bytes is None and s.request_read_timeout == 30
+    assert s.request_bytes_limit(8192) == 2**20 and s.request_bytes_limit(131072) == 4 * 2**20
+    assert s.max_choices_per_request == 256
     for bad in (["--max-concurrent-requests", "0"], ["--queue-timeout", "0"],
-                ["--max-queued-requests", "-1"]):  # fmt: skip
+                ["--max-queued-requests", "-1"], ["--max-request-bytes", "0"],
+                ["--request-read-timeout", "0"], ["--max-choices-per-request", "0"],
+                ["--api-key", " "]):  # fmt: skip
         with pytest.raises(CLIError) as err:
             settings_from_args(parser.parse_args(bad))
         assert err.value.status == 2
