@@ -123,6 +123,11 @@ class LLMEngine:
                     f"the context length of {self.max_model_len} tokens"
                 )
             ids = self.tokenizer.encode(prompt)
+            # a tokenizer whose added tokens pass the model's embedding rows would make the
+            # device index out of bounds (on CUDA, an assert that ends the process)
+            if ids and max(ids) >= self.model_config.vocab_size:
+                raise ValueError(f"the tokenizer gave id {max(ids)}, which the model's "
+                                 f"{self.model_config.vocab_size} embeddings lack")  # fmt: skip
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size

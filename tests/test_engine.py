@@ -103,6 +103,13 @@ def test_too_long_prompt_is_refused(llm):
         llm.generate([""], SamplingParams())
 
 
+def test_a_tokenizer_id_past_the_embeddings_is_refused(llm, monkeypatch):
+    vocab = llm.engine.model_config.vocab_size
+    monkeypatch.setattr(llm.engine.tokenizer, "encode", lambda text, **kw: [5, vocab + 3])
+    with pytest.raises(ValueError, match=f"{vocab + 3}.*{vocab} embeddings"):
+        llm.engine.make_request("hello", SamplingParams())
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
