@@ -110,18 +110,24 @@ class LLMEngine:
         stops = StopMatcher(params.stop)  # O(total stop length): here, off the event loop
         return Request(request_id or uuid.uuid4().hex, seq, detok, stops)
 
+    def check_text_fits(self, text: str) -> None:
+        """Raise ValueError if ``text`` has more tokens than the context holds, judged from its
+        length alone (no token stands for more than ``max_token_chars`` characters): cheap
+        enough to run before admission, where tokenizing megabytes would take seconds."""
+        least = self.tokenizer.min_tokens(text)
+        if least > self.max_model_len:
+            raise ValueError(
+                f"the prompt has at least {least} tokens ({len(text)} characters), over "
+                f"the context length of {self.max_model_len} tokens"
+            )
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids; text longer than the context could hold is refused before
         it is tokenized (which, for megabytes, takes seconds)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt must not be empty")
-            least = self.tokenizer.min_tokens(prompt)
-            if least > self.max_model_len:
-                raise ValueError(
-                    f"the prompt has at least {least} tokens ({len(prompt)} characters), over "
-                    f"the context length of {self.max_model_len} tokens"
-                )
+            self.check_text_fits(prompt)
             ids = self.tokenizer.encode(prompt)
             # a tokenizer whose added tokens pass the model's embedding rows would make the
             # device index out of bounds (on CUDA, an assert that ends the process)

@@ -125,7 +125,8 @@ async def _prepare(
         raw = request.app.state.raw_prompts
         prompt = await asyncio.to_thread(_as_prompt, llm, body.inputs, raw)
         if truncate is None:
-            return prompt, params  # the engine refuses text longer than the context holds
+            llm.engine.check_text_fits(prompt)  # before admission: a slot is not spent on it
+            return prompt, params
         # text longer than the context is legitimate here: the last ``truncate`` tokens are
         # kept. Only the body limit bounds the text tokenized.
         ids = await asyncio.to_thread(llm.tokenizer.encode, prompt)
