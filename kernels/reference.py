@@ -161,22 +161,44 @@ def sdpa_attention(
     k: torch.Tensor,  # [Tk, Hkv, D]
     v: torch.Tensor,  # [Tk, Hkv, D]
     scale: float,
+    q_block: int = 256,
 ) -> torch.Tensor:  # [Tq, Hq, D] float32
     """``attention(q, k, v, scale, causal=True)[0]`` (no LSE) through SDPA, in float32.
 
     SDPA's ``is_causal`` aligns the mask top-left, which equals our bottom-right one only when
-    ``Tq == Tk``; a single query sees every key; a chunk over cached context gets the
-    bottom-right mask spelt out (``[Tq, Tk]`` booleans: 8 MB for 2,048 x 4,096).
+    ``Tq == Tk``; a single query sees every key. A chunk over cached context (``1 < Tq < Tk``)
+    needs the mask spelt out, and SDPA then computes every score of ``[Tq, Tk]``, the masked
+    triangle too; so it goes ``q_block`` queries at a time, each block over the keys its last
+    query sees: the work left masked is ``Tq * q_block / 2`` scores, not ``Tq^2 / 2``. The
+    three 2,048-token chunks of a 6,000-token prompt (9/3 heads of 64, 2 CPU cores): 0.89 CPU-s
+    per layer with one masked call per chunk, 0.79 / 0.73 / 0.70 / 0.74 with blocks of 1,024 /
+    512 / 256 / 128 queries, 0.63 for the whole prompt in one causal call.
     """
-    tq, hq, _ = q.shape
-    tk, hkv, _ = k.shape
-    mask = None
-    if 1 < tq < tk:
-        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
-    causal = tq == tk and tq > 1
+    tq, tk = q.shape[0], k.shape[0]
+    if tq == tk or tq == 1:
+        return _sdpa(q, k, v, scale, causal=tq > 1)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for s in range(0, tq, q_block):
+        e = min(tq, s + q_block)
+        seen = tk - tq + e  # keys that the block's last query sees
+        mask = torch.ones(e - s, seen, dtype=torch.bool, device=q.device).tril(seen - (e - s))
+        out[s:e] = _sdpa(q[s:e], k[:seen], v[:seen], scale, mask=mask)
+    return out
+
+
+def _sdpa(
+    q: torch.Tensor,  # [Tq, Hq, D]
+    k: torch.Tensor,  # [Tk, Hkv, D]
+    v: torch.Tensor,  # [Tk, Hkv, D]
+    scale: float,
+    causal: bool = False,  # top-left aligned
+    mask: torch.Tensor | None = None,  # [Tq, Tk] bool, True: attend
+) -> torch.Tensor:  # [Tq, Hq, D] float32
+    """One ``F.scaled_dot_product_attention`` call on our layout, grouped heads unexpanded."""
+    gqa = q.shape[1] != k.shape[1]
     qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D]
     out = F.scaled_dot_product_attention(
-        qf, kf, vf, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=hq != hkv
+        qf, kf, vf, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
     )  # [1, Hq, Tq, D]
     return out[0].transpose(0, 1)
 

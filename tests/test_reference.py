@@ -125,6 +125,8 @@ def test_sdpa_path_equals_explicit_math(q_len, kv_len, hq, hkv):
     truth = ref.prefill_attention(q.double(), *(a.double() for a in args[:2]), *args[2:])
     assert fast.dtype == torch.float32
     assert_close(fast, explicit, 1e-6, f"SDPA vs explicit, Tq {q_len}, Tk {kv_len}")
+    blocks = ref.sdpa_attention(q, k, v, d**-0.5, q_block=5)  # many blocks, a ragged last one
+    assert_close(blocks, explicit, 1e-6, f"SDPA in blocks of 5 queries, Tq {q_len}, Tk {kv_len}")
     # neither is nearer float64 than float32 rounding allows
     assert_close(fast, truth, 1e-6, "SDPA vs float64")
     assert_close(explicit, truth, 1e-6, "explicit vs float64")
