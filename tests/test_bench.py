@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from server_utils import free_port, server_process
 
 from flashserve.bench.decode import parse_sizes
@@ -159,6 +160,60 @@ def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch, tmp_pat
             "--plot", str(tmp_path / "x.png")]  # fmt: skip
     assert main(argv) == 2
     assert "matplotlib" in capsys.readouterr().err
+
+
+# ---- bench prefill -------------------------------------------------------------------------
+
+
+def test_bench_prefill_json_with_peer(tmp_path, capsys):
+    """Chunked prefill (a 16-token budget cuts the 40-token prompt in three) beside transformers:
+    every field filled, the medians, rates and ratio derived from the recorded times."""
+    out = tmp_path / "prefill.json"
+    argv = ["bench", "prefill", "--model", "dummy:tiny", "--device", "cpu", "--tokens", "9,40",
+            "--rounds", "3", "--max-num-batched-tokens", "16", "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    meta = res["meta"]
+    assert _filled({k: v for k, v in meta.items() if k != "peer_note"}) == []
+    assert meta["peer"].startswith("transformers") and meta["peer_note"] is None
+    assert (meta["max_num_batched_tokens"], meta["rounds"], meta["dtype"]) == (16, 3, "float32")
+    assert meta["threads"] == torch.get_num_threads() and meta["attention_backend"] == "torch"
+    assert meta["cpu_model"] and meta["device"] == "cpu"
+    assert [p["tokens"] for p in res["points"]] == [9, 40]
+    for p in res["points"]:
+        assert p["status"] == "ok" and p["note"] is None and p["peer_note"] is None
+        for side in (p["ours"], p["peer"]):
+            assert len(side["times_s"]) == 3 and min(side["times_s"]) > 0
+            assert side["median_s"] == sorted(side["times_s"])[1]
+            assert side["tokens_per_s"] == pytest.approx(p["tokens"] / side["median_s"])
+        assert p["ratio"] == pytest.approx(p["ours"]["median_s"] / p["peer"]["median_s"])
+        assert p["peak_memory_bytes"] > 0
+    table = capsys.readouterr().out
+    assert "transformers s" in table and "ratio (ours/tf)" in table
+    assert table.splitlines()[2].split()[0] == "9"
+
+
+def test_bench_prefill_without_peer_skips_what_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    argv = ["bench", "prefill", "--model", "dummy:tiny", "--device", "cpu", "--tokens", "8,100",
+            "--rounds", "1", "--max-model-len", "64", "--no-peer", "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["peer"] is None and res["meta"]["peer_note"] == "--no-peer"
+    short, long = res["points"]
+    assert short["status"] == "ok" and short["ours"]["median_s"] > 0
+    assert short["peer"] is None and short["ratio"] is None
+    assert long["status"] == "skipped" and long["ours"] is None
+    assert "max model len 64" in long["note"]
+    assert "100 tokens: over max model len 64" in capsys.readouterr().out
+
+
+def test_bench_prefill_rejects_zero_rounds(capsys):
+    argv = ["bench", "prefill", "--model", "dummy:tiny", "--device", "cpu", "--rounds", "0"]
+    assert main(argv) == 2
+    assert "--rounds" in capsys.readouterr().err
 
 
 # ---- bench serve ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Measuring tools: ``flashserve bench decode`` (in process, beside Hugging Face
-transformers) and ``flashserve bench serve`` (an HTTP load generator).
+"""Measuring tools: ``flashserve bench decode`` and ``flashserve bench prefill`` (in process,
+beside Hugging Face transformers) and ``flashserve bench serve`` (an HTTP load generator).
 
 Nothing heavy is imported here: each command loads what it needs when it runs.
 """
@@ -13,10 +13,11 @@ from flashserve import cli
 
 def _add_bench_args(parser: argparse.ArgumentParser) -> None:
     from flashserve.bench.decode import DECODE
+    from flashserve.bench.prefill import PREFILL
     from flashserve.bench.serve import SERVE
 
     subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for cmd in (DECODE, SERVE):
+    for cmd in (DECODE, PREFILL, SERVE):
         sub = subparsers.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_args(sub)
         sub.set_defaults(run=cmd.run)
@@ -24,8 +25,8 @@ def _add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     # never called: the chosen benchmark's set_defaults(run=...) overrides this one
-    raise cli.CLIError("choose a benchmark: decode or serve", status=2)
+    raise cli.CLIError("choose a benchmark: decode, prefill or serve", status=2)
 
 
-BENCH = cli.Command("bench", "benchmarks: decode (in process) and serve (HTTP)",
+BENCH = cli.Command("bench", "benchmarks: decode and prefill (in process), serve (HTTP)",
                     _add_bench_args, _run_bench)  # fmt: skip
