@@ -238,7 +238,8 @@ def prefill_attention(
     """Causal attention of each chunk over its sequence's cached context plus itself.
 
     The chunk's own K/V must already be in the cache. Query ``i`` of a chunk of length ``n``
-    sits at position ``seq_len - n + i`` and sees positions ``<= `` that.
+    sits at position ``seq_len - n + i`` and sees positions ``<= `` that. The explicit math
+    (``attention``) runs when the LSE or float64 is asked for, SDPA (``sdpa_attention``) else.
     """
     del max_query_len, max_seq_len
     if out is None:
