@@ -27,13 +27,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(*args: str, timeout: float = 180.0) -> Iterator[str]:
+def server_process(*args: str, timeout: float = 180.0, log_path: Path | None = None
+                   ) -> Iterator[str]:  # fmt: skip
     """``python -m server serve ARGS`` on a free port; yields its base URL once /health says
     200, and stops it at the end. A server that dies or never gets healthy fails with the tail
-    of its log."""
+    of its log. ``log_path``: keep the server's output there (a temporary file otherwise)."""
     port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *args]
-    with tempfile.TemporaryFile() as log:
+    with open(log_path, "w+b") if log_path else tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"

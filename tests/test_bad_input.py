@@ -17,8 +17,6 @@ The whole table runs twice: on the CPU here, and with ``--device cuda`` on the G
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
-from server_utils import ROOT, _wait_healthy, free_port, sse_events
+from server_utils import server_process, sse_events
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from flashserve.presets import PRESETS
@@ -97,23 +95,10 @@ def _hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def server(request, model_dir, tmp_path_factory) -> Iterator[Server]:
     """One server per device, its output in a log file that the last test reads."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--model",
-           str(model_dir), "--device", request.param,
-           "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
-    with open(log, "w+b") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, proc, out, 180)
-            yield Server(url, log)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    args = ("--model", str(model_dir), "--device", request.param,
+            "--max-model-len", str(MAX_MODEL_LEN))  # fmt: skip
+    with server_process(*args, log_path=log) as url:
+        yield Server(url, log)
 
 
 @pytest.fixture(scope="module")

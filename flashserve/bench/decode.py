@@ -23,13 +23,7 @@ from flashserve import cli
 from flashserve.bench import decode_ours as ours_mod
 from flashserve.bench.hardware import copy_bandwidth
 from flashserve.bench.profiling import PROFILE_STEPS
-from flashserve.bench.report import (
-    progress,
-    require_matplotlib,
-    run_metadata,
-    table,
-    write_json,
-)
+from flashserve.bench.report import progress, publish, require_matplotlib, run_metadata, table
 from kernels.common import pdl_chain
 
 logger = logging.getLogger(__name__)
@@ -117,11 +111,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "points": points,
     }
-    print(format_table(points))
-    if peer_info["peer_note"]:
-        print(f"peer: {peer_info['peer_note']}")
-    if args.json:
-        write_json(args.json, result)
+    publish(result, format_table(points), args.json)
     if args.plot:
         from flashserve.bench.plots import plot_decode
 

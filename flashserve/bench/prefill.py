@@ -23,7 +23,7 @@ import torch
 from flashserve import cli
 from flashserve.bench.decode import parse_sizes
 from flashserve.bench.hardware import peak_memory, reset_peak_memory, synchronize
-from flashserve.bench.report import progress, run_metadata, table, write_json
+from flashserve.bench.report import progress, publish, run_metadata, table
 from flashserve.sampling_params import SamplingParams
 
 DEFAULT_TOKENS = "600,1800,6000"
@@ -67,11 +67,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "points": points,
     }
-    print(format_table(points))
-    if peer_info["peer_note"]:
-        print(f"peer: {peer_info['peer_note']}")
-    if args.json:
-        write_json(args.json, result)
+    publish(result, format_table(points), args.json)
     return 0
 
 

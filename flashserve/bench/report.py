@@ -118,6 +118,16 @@ def run_metadata() -> dict[str, Any]:
     return meta
 
 
+def publish(result: dict[str, Any], table_text: str, json_path: str | None) -> None:
+    """Print a benchmark's table (and why its peer did not run, if it did not); write the
+    whole result as JSON when asked."""
+    print(table_text)
+    if result["meta"].get("peer_note"):
+        print(f"peer: {result['meta']['peer_note']}")
+    if json_path:
+        write_json(json_path, result)
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     """``data`` as indented JSON; NaN becomes null."""
     Path(path).write_text(json.dumps(_clean(data), indent=2) + "\n")
