@@ -230,7 +230,8 @@ class LLMEngine:
                          req.request_id, type(exc).__name__, exc)  # fmt: skip
             self.scheduler.abort(seq.seq_id)
             outputs.append(self._fail(req, REQUEST_FAILED))
-        ok = [s for s in sched.seqs if s.seq_id not in {f.seq_id for f, _ in failed}]
+        gone = {seq.seq_id for seq, _ in failed}
+        ok = [s for s in sched.seqs if s.seq_id not in gone]
         self.scheduler.update(SchedulerOutput(seqs=ok))
         outputs += [self._append_or_fail(self._by_seq[s.seq_id], t) for s, t in done]
         return outputs
