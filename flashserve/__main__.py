@@ -2,6 +2,6 @@
 
 import sys
 
-from flashserve.cli import main
+from flashserve.cli.main import main
 
 sys.exit(main())

@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import flashserve
-from flashserve.async_llm import AsyncLLM
 from flashserve.config import EngineConfig
+from flashserve.engine.async_llm import AsyncLLM
 from server import health, openai, tgi
 from server.admission import Gate
 from server.errors import register_error_handlers

@@ -1,5 +1,5 @@
 """The ``flashserve`` console script: ``serve`` lives here, every other command in
-``flashserve/cli.py`` (the engine package must not import the server)."""
+``flashserve/cli/`` (the engine package must not import the server)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-from flashserve import cli
+from flashserve.cli import args as cli
+from flashserve.cli.main import main as engine_main
 from server.settings import BYTES_PER_CONTEXT_TOKEN, ServerSettings
 
 logger = logging.getLogger("flashserve.serve")
@@ -145,7 +146,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from flashserve.async_llm import AsyncLLM
+    from flashserve.engine.async_llm import AsyncLLM
     from server.app import build_app
     from server.shutdown import DrainingServer
 
@@ -172,4 +173,4 @@ SERVE = cli.Command(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.main(argv, extra_commands=[SERVE])
+    return engine_main(argv, extra_commands=[SERVE])

@@ -14,7 +14,7 @@ from typing import Annotated, TypeVar
 from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
 
-from flashserve.text_checks import lone_surrogate
+from flashserve.tokenizer.text_checks import lone_surrogate
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from flashserve.async_llm import AsyncLLM
+from flashserve.engine.async_llm import AsyncLLM
 from server.errors import APIError, documented
 
 router = APIRouter()

@@ -36,7 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flashserve.async_llm import AsyncLLM, RequestStats
+from flashserve.engine.async_llm import AsyncLLM, RequestStats
 
 router = APIRouter()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

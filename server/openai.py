@@ -20,9 +20,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from flashserve.async_llm import AsyncLLM
-from flashserve.outputs import RequestOutput, TokenOutput
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.async_llm import AsyncLLM
+from flashserve.engine.outputs import RequestOutput, TokenOutput
+from flashserve.sampling.params import SamplingParams
 from server.errors import APIError, documented, openai_error_body
 from server.openai_output import (
     Choice,

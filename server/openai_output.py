@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-from flashserve.outputs import RequestOutput, TokenOutput
+from flashserve.engine.outputs import RequestOutput, TokenOutput
 from server.openai_schemas import (
     ChatLogprobs,
     CompletionLogprobs,

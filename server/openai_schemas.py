@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from flashserve.sampling_params import MAX_LOGPROBS, MAX_TOKENS_LIMIT, SamplingParams
+from flashserve.sampling.params import MAX_LOGPROBS, MAX_TOKENS_LIMIT, SamplingParams
 from server.fields import Text, UnicodeChecked, sent_or, unicode_text
 
 MAX_N = 16  # choices per prompt

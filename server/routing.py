@@ -10,8 +10,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from flashserve.async_llm import AsyncLLM
-from flashserve.outputs import RequestOutput, TokenOutput
+from flashserve.engine.async_llm import AsyncLLM
+from flashserve.engine.outputs import RequestOutput, TokenOutput
 from server.admission import TICKET
 from server.errors import APIError
 

@@ -14,7 +14,7 @@ from pydantic import (
     model_serializer,
 )
 
-from flashserve.sampling_params import SamplingParams
+from flashserve.sampling.params import SamplingParams
 from server.fields import Text, sent_or
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's router default

@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 import flashserve
-from flashserve.async_llm import AsyncLLM
-from flashserve.outputs import RequestOutput, TokenOutput
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.async_llm import AsyncLLM
+from flashserve.engine.outputs import RequestOutput, TokenOutput
+from flashserve.sampling.params import SamplingParams
 from server.errors import APIError, documented, error_body, validating
 from server.routing import STREAM, admit, collect, engine_of, unless_disconnected
 from server.schemas import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from flashserve.attention import AttentionMetadata
+from flashserve.models.attention import AttentionMetadata
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import random
 
-from flashserve.block_manager import BlockManager
 from flashserve.config import EngineConfig
-from flashserve.sampling_params import SamplingParams
-from flashserve.scheduler import Scheduler, SchedulerOutput
-from flashserve.sequence import Sequence, SequenceStatus
+from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.scheduler import Scheduler, SchedulerOutput
+from flashserve.engine.sequence import Sequence, SequenceStatus
+from flashserve.sampling.params import SamplingParams
 
 
 def token(seq_id: int, pos: int) -> int:

@@ -13,8 +13,8 @@ import random
 import pytest
 
 from flashserve.config import EngineConfig
-from flashserve.llm_engine import LLM
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.llm_engine import LLM
+from flashserve.sampling.params import SamplingParams
 
 
 def _llm(**kwargs) -> LLM:
@@ -188,7 +188,7 @@ def test_requests_added_and_aborted_while_a_step_is_queued():
 def test_async_llm_streams_with_async_scheduling():
     import asyncio
 
-    from flashserve.async_llm import AsyncLLM
+    from flashserve.engine.async_llm import AsyncLLM
 
     prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
@@ -230,7 +230,7 @@ def test_a_step_that_fails_once_is_run_again_and_no_request_fails(monkeypatch, w
     """A step that raises once while one is queued (a transient fault): the engine drops what
     is in flight and runs the batch again plainly; every request finishes with the plain
     engine's tokens, every KV block comes back, and the overlap resumes afterwards."""
-    from flashserve.model_runner import Launched
+    from flashserve.engine.model_runner import Launched
 
     prompts = _prompts(5)
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from server_utils import server_process, sse_events
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from flashserve.presets import PRESETS
+from flashserve.models.presets import PRESETS
 
 MAX_MODEL_LEN = 256
 VOCAB = 512  # dummy:tiny's

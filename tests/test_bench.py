@@ -20,7 +20,7 @@ from server_utils import free_port, server_process
 from flashserve.bench.decode import parse_sizes
 from flashserve.bench.prompts import load_tokenizer, make_prompt, sample_lengths
 from flashserve.bench.report import percentiles
-from flashserve.cli import main
+from flashserve.cli.main import main
 
 
 def _filled(obj, path: str = "") -> list[str]:
@@ -67,8 +67,8 @@ def test_prompts_have_the_asked_token_counts():
 def test_prompts_sized_by_the_default_model_named_as_info_names_it():
     """A server on the default model reports its GGUF's stem in /info; bench serve must find
     that tokenizer rather than estimate prompt lengths."""
-    from flashserve.loader import DEFAULT_FILE, default_model_path
-    from flashserve.tokenizer import Tokenizer
+    from flashserve.loaders.load import DEFAULT_FILE, default_model_path
+    from flashserve.tokenizer.tokenizer import Tokenizer
 
     tok = load_tokenizer(DEFAULT_FILE.removesuffix(".gguf"))
     reference = Tokenizer.from_gguf(default_model_path())

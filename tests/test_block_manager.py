@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from flashserve.block_manager import BlockError, BlockManager
-from flashserve.sequence import Sequence
+from flashserve.engine.block_manager import BlockError, BlockManager
+from flashserve.engine.sequence import Sequence
 
 
 def _seq(num_tokens: int) -> Sequence:

@@ -125,7 +125,8 @@ def test_console_script_is_installed():
 )  # fmt: skip
 def test_async_scheduling_flag_and_its_default(flag, device, expected):
     """On by default only on CUDA (on the CPU a step runs at once); the flag turns it on or off."""
-    from flashserve.cli import build_parser, engine_config_from_args
+    from flashserve.cli.args import engine_config_from_args
+    from flashserve.cli.main import build_parser
 
     args = build_parser().parse_args(["generate", "hi", *TINY, "--device", device, *flag])
     assert engine_config_from_args(args).async_scheduling is expected

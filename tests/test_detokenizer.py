@@ -8,8 +8,8 @@ import random
 import pytest
 from tokenizer_helpers import HARD_TEXTS, build_spm_gguf, default_gguf_path, first_diff, random_text
 
-from flashserve.detokenizer import MAX_PENDING, REPLACEMENT, IncrementalDetokenizer
-from flashserve.tokenizer import Tokenizer
+from flashserve.tokenizer.detokenizer import MAX_PENDING, REPLACEMENT, IncrementalDetokenizer
+from flashserve.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

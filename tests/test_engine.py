@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flashserve.config import EngineConfig
-from flashserve.llm_engine import LLM
-from flashserve.loader import default_model_path
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.llm_engine import LLM
+from flashserve.loaders.load import default_model_path
+from flashserve.sampling.params import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flashserve.config import EngineConfig
-from flashserve.llm_engine import LLM
-from flashserve.sampling_params import SamplingParams
-from flashserve.sequence import Sequence
+from flashserve.engine.llm_engine import LLM
+from flashserve.engine.sequence import Sequence
+from flashserve.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -46,8 +46,8 @@ def _release(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def prompts():
-    from flashserve.loader import default_model_path
-    from flashserve.tokenizer import Tokenizer
+    from flashserve.loaders.load import default_model_path
+    from flashserve.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path())
     chat = lambda text: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
@@ -94,8 +94,8 @@ def test_bf16_triton_tokens_are_torch_argmax_within_rounding(prompts, enforce_ea
 
 
 def test_default_model_answers_on_cuda(torch_fp32_tokens):
-    from flashserve.loader import default_model_path
-    from flashserve.tokenizer import Tokenizer
+    from flashserve.loaders.load import default_model_path
+    from flashserve.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path())
     assert "Paris" in tok.decode(torch_fp32_tokens[0])

@@ -25,7 +25,7 @@ import pytest
 from server_utils import ROOT, _wait_healthy, free_port, server_process, sse_events
 from tokenizer_helpers import HARD_TEXTS, build_spm_gguf, default_gguf_path, random_text
 
-from flashserve.tokenizer import Tokenizer
+from flashserve.tokenizer.tokenizer import Tokenizer
 
 TINY = ("--model", "dummy:tiny")
 C, Q = 2, 1  # slots and queue places of the limited server

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from flashserve.config import EngineConfig
-from flashserve.llm_engine import LLM, REQUEST_FAILED
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.llm_engine import LLM, REQUEST_FAILED
+from flashserve.sampling.params import SamplingParams
 
 BAD_SEED = 4242  # the marker of the request whose rows make a step fail
 
@@ -147,9 +147,9 @@ def test_a_dead_cuda_context_stops_the_engine_instead_of_retrying(monkeypatch):
 
     import torch
 
-    from flashserve.async_llm import AsyncLLM
     from flashserve.config import EngineConfig as Config
-    from flashserve.llm_engine import EngineDeadError
+    from flashserve.engine.async_llm import AsyncLLM
+    from flashserve.engine.llm_engine import EngineDeadError
 
     llm = AsyncLLM(Config(model="dummy:tiny", max_kv_tokens=4096, async_scheduling=False))
     runner, calls = llm.engine.runner, [0]

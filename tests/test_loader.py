@@ -18,12 +18,12 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
-from flashserve.attention import load_backend
-from flashserve.gguf_tokenizer import byte_alphabet
-from flashserve.loader import DEFAULT_FILE, default_model_path, load_model
 from flashserve.loaders.gguf import unpermute_qk
+from flashserve.loaders.load import DEFAULT_FILE, default_model_path, load_model
+from flashserve.models.attention import load_backend
 from flashserve.models.llama import build_model
-from flashserve.presets import PRESETS, num_parameters, preset_config
+from flashserve.models.presets import PRESETS, num_parameters, preset_config
+from flashserve.tokenizer.gguf import byte_alphabet
 
 # ---- Hugging Face directories --------------------------------------------------------------
 

@@ -23,9 +23,9 @@ from model_utils import (
 )
 from transformers.models.llama import modeling_llama as hf_llama
 
-from flashserve.attention import load_backend
-from flashserve.model_config import ModelConfig
 from flashserve.models import get_model_class
+from flashserve.models.attention import load_backend
+from flashserve.models.config import ModelConfig
 from flashserve.models.llama import LlamaForCausalLM, RMSNorm, build_model, init_random
 from flashserve.models.rope import RotaryEmbedding
 from kernels.reference import rope_write_kv

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashserve.attention import AttentionMetadata, load_backend
-from flashserve.model_config import ModelConfig
+from flashserve.models.attention import AttentionMetadata, load_backend
+from flashserve.models.config import ModelConfig
 from flashserve.models.llama import build_model, init_random
 
 pytestmark = pytest.mark.gpu
@@ -107,8 +107,8 @@ def test_graph_greedy_path_equals_the_sampler():
     """A plain greedy batch takes its tokens from the CUDA graph's own argmax; asking for top
     logprobs sends the same batch through the sampler: same tokens, same logprobs."""
     from flashserve.config import EngineConfig
-    from flashserve.llm_engine import LLM
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.llm_engine import LLM
+    from flashserve.sampling.params import SamplingParams
 
     llm = LLM(EngineConfig(model="dummy:tiny", device="cuda", dtype="float32", max_num_seqs=4))
     assert llm.engine.runner.graphs is not None

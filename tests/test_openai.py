@@ -11,10 +11,10 @@ import httpx
 import pytest
 from server_utils import server_process, server_thread, sse_events
 
-from flashserve.async_llm import AsyncLLM
 from flashserve.config import EngineConfig
-from flashserve.loader import default_model_path
-from flashserve.tokenizer import Tokenizer
+from flashserve.engine.async_llm import AsyncLLM
+from flashserve.loaders.load import default_model_path
+from flashserve.tokenizer.tokenizer import Tokenizer
 from server.app import build_app
 
 openai = pytest.importorskip("openai")  # in the test extra; absent on the GPU machine

@@ -20,8 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ROOT, _wait_healthy, free_port, server_process, server_thread, sse_events
 
-from flashserve.async_llm import AsyncLLM
 from flashserve.config import EngineConfig
+from flashserve.engine.async_llm import AsyncLLM
 from server.app import build_app
 from server.settings import ServerSettings
 
@@ -462,7 +462,7 @@ def test_admission_counts_slots_first_come_first_served():
 def test_serve_settings_from_the_command_line(monkeypatch):
     import argparse
 
-    from flashserve.cli import CLIError
+    from flashserve.cli.args import CLIError
     from server.cli import _add_serve_args, settings_from_args
 
     parser = argparse.ArgumentParser()

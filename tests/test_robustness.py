@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import server_thread, sse_events
 
-from flashserve.async_llm import AsyncLLM
 from flashserve.config import EngineConfig
+from flashserve.engine.async_llm import AsyncLLM
 from server.app import build_app
 
 ABORTED = "flashserve_aborted_requests_total"

@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from flashserve.sampler import Sampler, apply_penalties
-from flashserve.sampling_noise import (
+from flashserve.engine.sequence import Sequence
+from flashserve.sampling.noise import (
     exponential_from_bits_,
     exponential_noise,
     hash32_,
     row_keys,
 )
-from flashserve.sampling_params import InvalidParam, SamplingParams
-from flashserve.sequence import Sequence
+from flashserve.sampling.params import InvalidParam, SamplingParams
+from flashserve.sampling.sampler import Sampler, apply_penalties
 
 M32 = 0xFFFFFFFF
 

@@ -12,7 +12,7 @@ import random
 import pytest
 from scheduler_harness import FakeEngine, token
 
-from flashserve.sequence import SequenceStatus
+from flashserve.engine.sequence import SequenceStatus
 
 
 def _random_arrivals(num_seqs: int, max_prompt: int, max_new: int, spread: int):

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from server_utils import server_process, server_thread, sse_events
 
-from flashserve.async_llm import AsyncLLM
 from flashserve.config import EngineConfig
+from flashserve.engine.async_llm import AsyncLLM
 from server.app import build_app
 
 MAX_MODEL_LEN = 512  # a small context keeps the "too long" cases cheap
@@ -79,8 +79,8 @@ def test_plain_question_is_answered_through_the_chat_template(client):
 def test_as_prompt_wraps_only_plain_text_for_chat_models():
     from types import SimpleNamespace
 
-    from flashserve.loader import default_model_path
-    from flashserve.tokenizer import Tokenizer
+    from flashserve.loaders.load import default_model_path
+    from flashserve.tokenizer.tokenizer import Tokenizer
     from server.tgi import _as_prompt
 
     llm = SimpleNamespace(tokenizer=Tokenizer.from_gguf(default_model_path()))

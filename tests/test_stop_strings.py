@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_utils import server_process
 
-from flashserve.stop_strings import StopMatcher
+from flashserve.engine.stop_strings import StopMatcher
 
 # a small alphabet makes overlaps, repeats and partial matches frequent
 TEXT = st.text(alphabet="abc", max_size=8)

@@ -28,10 +28,10 @@ from tokenizer_helpers import (
 from tokenizers import Regex, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from flashserve import gguf_tokenizer
-from flashserve.chat_template import render_chat
-from flashserve.gguf_metadata import read_gguf_metadata
-from flashserve.tokenizer import Tokenizer
+from flashserve.loaders.gguf_metadata import read_gguf_metadata
+from flashserve.tokenizer import gguf as gguf_tokenizer
+from flashserve.tokenizer.chat_template import render_chat
+from flashserve.tokenizer.tokenizer import Tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from flashserve import cli
+from flashserve.cli import args as cli
 
 
 def _add_bench_args(parser: argparse.ArgumentParser) -> None:

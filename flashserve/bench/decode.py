@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from flashserve import cli
 from flashserve.bench import decode_ours as ours_mod
 from flashserve.bench.hardware import copy_bandwidth
 from flashserve.bench.profiling import PROFILE_STEPS
 from flashserve.bench.report import progress, publish, require_matplotlib, run_metadata, table
+from flashserve.cli import args as cli
 from kernels.common import pdl_chain
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     config = _engine_config(args)
     device = torch.device(config.device)
-    from flashserve.llm_engine import LLMEngine
+    from flashserve.engine.llm_engine import LLMEngine
 
     bandwidth = copy_bandwidth(device)  # before the model takes the memory
     engine = cli.load_engine(LLMEngine, config)

@@ -12,10 +12,10 @@ import torch
 
 from flashserve.bench.hardware import peak_memory, reset_peak_memory, synchronize
 from flashserve.bench.profiling import PROFILE_STEPS, profile_steps
-from flashserve.sampling_params import SamplingParams
+from flashserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:  # the model stack loads when the benchmark runs, not with the CLI
-    from flashserve.llm_engine import LLMEngine
+    from flashserve.engine.llm_engine import LLMEngine
 
 WARMUP_STEPS = 2  # decode steps run before timing (allocator, kernels' first launch)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from flashserve.bench.decode_ours import StepTiming
 from flashserve.bench.hardware import free_memory, peak_memory, reset_peak_memory, synchronize
-from flashserve.model_config import ModelConfig
+from flashserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from flashserve import cli
 from flashserve.bench.decode import parse_sizes
 from flashserve.bench.hardware import peak_memory, reset_peak_memory, synchronize
 from flashserve.bench.report import progress, publish, run_metadata, table
-from flashserve.sampling_params import SamplingParams
+from flashserve.cli import args as cli
+from flashserve.sampling.params import SamplingParams
 
 DEFAULT_TOKENS = "600,1800,6000"
 
@@ -46,7 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise cli.CLIError("--rounds must be >= 1", status=2)
-    from flashserve.llm_engine import LLMEngine  # the model stack loads when the bench runs
+    from flashserve.engine.llm_engine import LLMEngine  # the model stack loads when the bench runs
 
     config = _engine_config(args)
     engine = cli.load_engine(LLMEngine, config)

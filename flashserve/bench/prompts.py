@@ -35,11 +35,11 @@ def load_tokenizer(spec: str) -> TokenizerLike:
     """The tokenizer of a model spec (``dummy:<preset>``, a Hugging Face directory, a
     ``.gguf`` file, or the default model's name as a server's /info gives it) without its
     weights; ValueError when the spec names none of these."""
-    from flashserve.loader import DEFAULT_FILE, default_model_path
-    from flashserve.tokenizer import Tokenizer
+    from flashserve.loaders.load import DEFAULT_FILE, default_model_path
+    from flashserve.tokenizer.tokenizer import Tokenizer
 
     if spec.startswith("dummy:"):
-        from flashserve.presets import preset_config
+        from flashserve.models.presets import preset_config
 
         c = preset_config(spec.removeprefix("dummy:"))
         return Tokenizer.byte_level(c.vocab_size, c.bos_token_id, c.eos_token_ids[0])

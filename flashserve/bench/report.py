@@ -148,7 +148,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        from flashserve.cli import CLIError
+        from flashserve.cli.args import CLIError
 
         raise CLIError(
             "--plot needs matplotlib: pip install matplotlib (or 'flashserve[bench]')", status=2

@@ -23,9 +23,9 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import flashserve
-from flashserve import cli
 from flashserve.bench.prompts import TokenizerLike, load_tokenizer, make_prompt, sample_lengths
 from flashserve.bench.report import Counter, require_matplotlib, write_json
+from flashserve.cli import args as cli
 
 if TYPE_CHECKING:
     from flashserve.bench.client import RequestRecord

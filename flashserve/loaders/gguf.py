@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import torch
 
-from flashserve.model_config import ModelConfig
+from flashserve.models.config import ModelConfig
 
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3.1 RoPE factors; goes into the config
 _GLOBAL_NAMES = {

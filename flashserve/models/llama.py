@@ -8,7 +8,7 @@ The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSN
 previous sublayer's output to the residual first (``add_rms_norm``), so the backend can do both
 in one kernel. The sums are the ones Hugging Face computes, in the same order and dtype. The
 small operations (norms, RoPE with the KV store, SiLU-and-multiply) come from the attention
-backend (``flashserve.attention.load_backend``): the torch one rounds exactly as Hugging Face
+backend (``flashserve.models.attention.load_backend``): the torch one rounds exactly as Hugging Face
 does; the Triton one fuses them.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from flashserve.attention import AttentionMetadata, PagedAttention, load_backend
-from flashserve.model_config import ModelConfig
+from flashserve.models.attention import AttentionMetadata, PagedAttention, load_backend
+from flashserve.models.config import ModelConfig
 from flashserve.models.rope import RotaryEmbedding
 
 # checkpoint tensors that carry no weights of ours

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from flashserve.model_config import ModelConfig
+from flashserve.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [D/2] float32

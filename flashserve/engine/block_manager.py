@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from flashserve.sequence import Sequence
+from flashserve.engine.sequence import Sequence
 
 
 class BlockError(AssertionError):

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from flashserve.config import EngineConfig
-from flashserve.llm_engine import EngineDeadError, LLMEngine, Request
-from flashserve.outputs import RequestOutput
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.llm_engine import EngineDeadError, LLMEngine, Request
+from flashserve.engine.outputs import RequestOutput
+from flashserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 STEP_FAILED = "the engine failed a step; the server log has the details"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flashserve.tokenizer import Tokenizer
+from flashserve.tokenizer.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 # Tokens held back at most while the text ends in U+FFFD. A character is at most 4 bytes, so

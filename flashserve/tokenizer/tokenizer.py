@@ -4,7 +4,7 @@
 that live beside it: BOS/EOS ids, whether BOS is added, the chat template. Three sources:
 
 - `from_dir`: a Hugging Face directory (``tokenizer.json`` and its companions);
-- `from_gguf`: a GGUF file's metadata (see `flashserve.gguf_tokenizer`);
+- `from_gguf`: a GGUF file's metadata (see `flashserve.tokenizer.gguf`);
 - `byte_level`: a stand-in for ``dummy:<preset>`` models, one token per byte.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from flashserve import gguf_tokenizer
-from flashserve.chat_template import render_chat
+from flashserve.tokenizer import gguf as gguf_tokenizer
+from flashserve.tokenizer.chat_template import render_chat
 
 
 class Tokenizer:

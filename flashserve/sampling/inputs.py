@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 import torch
 
-from flashserve.sequence import Sequence
+from flashserve.engine.sequence import Sequence
 
 
 class Staging:

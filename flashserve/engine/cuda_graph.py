@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from flashserve.attention import AttentionMetadata
+from flashserve.models.attention import AttentionMetadata
 from kernels.sampling import greedy_sample
 
 logger = logging.getLogger(__name__)

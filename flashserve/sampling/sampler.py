@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashserve.sampler_inputs import (
+from flashserve.engine.sequence import Sequence
+from flashserve.sampling.inputs import (
     Packer,
     Staging,
     TokenArrays,
@@ -20,8 +21,7 @@ from flashserve.sampler_inputs import (
     pack_penalties,
     pack_sampling,
 )
-from flashserve.sampling_noise import hash32_, noise_fn
-from flashserve.sequence import Sequence
+from flashserve.sampling.noise import hash32_, noise_fn
 
 
 @dataclass

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from flashserve.block_manager import BlockManager
 from flashserve.config import EngineConfig
-from flashserve.sequence import FinishReason, Sequence, SequenceStatus
+from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The engine: requests in, one scheduled step at a time, tokens out.
 
 ``LLMEngine`` is single-threaded; ``LLM`` drives it to completion for a list of prompts;
-``flashserve.async_llm.AsyncLLM`` runs it on its own thread for the server.
+``flashserve.engine.async_llm.AsyncLLM`` runs it on its own thread for the server.
 
 With ``async_scheduling`` the engine keeps one decode step queued on the device ahead of the
 host: while the GPU computes step n, the host reads back step n-1, appends its tokens, checks
@@ -23,17 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from flashserve.block_manager import BlockManager
 from flashserve.config import EngineConfig
-from flashserve.detokenizer import IncrementalDetokenizer
-from flashserve.loader import load_model
-from flashserve.model_runner import Launched, ModelRunner, SampledToken
-from flashserve.outputs import Completion, RequestOutput, TokenOutput
-from flashserve.sampler import Sampler
-from flashserve.sampling_params import SamplingParams
-from flashserve.scheduler import Scheduler, SchedulerOutput
-from flashserve.sequence import FinishReason, Sequence, SequenceStatus
-from flashserve.stop_strings import StopMatcher
+from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.model_runner import Launched, ModelRunner, SampledToken
+from flashserve.engine.outputs import Completion, RequestOutput, TokenOutput
+from flashserve.engine.scheduler import Scheduler, SchedulerOutput
+from flashserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from flashserve.engine.stop_strings import StopMatcher
+from flashserve.loaders.load import load_model
+from flashserve.sampling.params import SamplingParams
+from flashserve.sampling.sampler import Sampler
+from flashserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 # what a client sees when its own request fails in the engine (the log has the details)

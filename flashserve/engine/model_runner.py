@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashserve.attention import AttentionMetadata
 from flashserve.config import EngineConfig
-from flashserve.sampler import Sampler
-from flashserve.sequence import Sequence
+from flashserve.engine.sequence import Sequence
+from flashserve.models.attention import AttentionMetadata
+from flashserve.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and config.attention_backend == "triton":
             if not config.enforce_eager:
-                from flashserve.cuda_graph import DecodeGraphs
+                from flashserve.engine.cuda_graph import DecodeGraphs
 
                 self.graphs = DecodeGraphs(self)
         logger.info(

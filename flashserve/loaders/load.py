@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from flashserve.attention import load_backend
 from flashserve.loaders import gguf as gguf_source
 from flashserve.loaders import hf as hf_source
-from flashserve.model_config import ModelConfig
 from flashserve.models import LlamaForCausalLM
+from flashserve.models.attention import load_backend
+from flashserve.models.config import ModelConfig
 from flashserve.models.llama import build_model, init_random
-from flashserve.presets import preset_config
-from flashserve.tokenizer import Tokenizer
+from flashserve.models.presets import preset_config
+from flashserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

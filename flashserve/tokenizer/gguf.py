@@ -21,7 +21,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from flashserve.gguf_metadata import read_gguf_metadata
+from flashserve.loaders.gguf_metadata import read_gguf_metadata
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashserve.model_config import ModelConfig
+from flashserve.models.config import ModelConfig
 
 _LLAMA3_8B = {
     "model_type": "llama",

@@ -6,7 +6,7 @@ import itertools
 import time
 from enum import Enum, auto
 
-from flashserve.sampling_params import SamplingParams
+from flashserve.sampling.params import SamplingParams
 
 
 class SequenceStatus(Enum):

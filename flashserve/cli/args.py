@@ -1,0 +1,83 @@
+"""What every command shares: the ``Command`` record, ``CLIError``, the engine's options and
+loading an engine from them (``generate``, the bench commands and the server's ``serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
+
+from flashserve.config import ATTENTION_BACKENDS, EngineConfig
+
+T = TypeVar("T")
+
+
+class Command(NamedTuple):
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class CLIError(Exception):
+    """A message for the user and the exit status: 2 for bad arguments, 1 for a failure."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig fields as options; defaults (None) leave EngineConfig's own."""
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        help="a Hugging Face directory, a .gguf file or dummy:<preset> "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument(
+        "--dtype",
+        help="auto (default: bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16",
+    )
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, help="sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    g.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        help="KV cache size in tokens (default: from --gpu-memory-utilization)",
+    )
+    g.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory to use")
+    g.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue each decode step on the device before the host has read the one "
+        "before it, hiding the host's work between steps (steps with penalties or logprobs "
+        "run plainly); default: on with CUDA",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if getattr(args, f.name, None) is not None
+    }
+    try:
+        return EngineConfig(**given)
+    except ValueError as exc:
+        raise CLIError(str(exc), status=2) from exc
+
+
+def load_engine(factory: Callable[[EngineConfig], T], config: EngineConfig) -> T:
+    """Build an engine (``LLM``, ``AsyncLLM``); a model that cannot be loaded is a CLIError."""
+    try:
+        return factory(config)
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot load the model {config.model or '(default)'}: {exc}") from exc

@@ -1,0 +1,1 @@
+"""Picking tokens on the device: the per-request parameters, the sampler and its seeded noise."""
