@@ -273,3 +273,24 @@ def test_a_step_that_fails_once_is_run_again_and_no_request_fails(monkeypatch, w
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected
     assert sum(ahead) > 0, "the overlap did not resume"
     assert _all_blocks_free(llm)
+
+
+@pytest.mark.gpu
+def test_picks_land_in_contiguous_pinned_memory_whatever_the_batch():
+    """A step's picks go to the host asynchronously only into contiguous pinned memory: into a
+    strided slice torch copies through a pageable temporary and the host waits for the step
+    (batch 8 under --max-num-seqs 32 lost the overlap: 8.6 vs 7.4 ms per step at 4K, H100)."""
+    llm = _llm(async_scheduling=True, max_num_seqs=8)
+    runner, landed = llm.engine.runner, []
+    launch = runner.launch
+
+    def spy(*args, **kwargs):
+        out = launch(*args, **kwargs)
+        landed.append(out.host)
+        return out
+
+    runner.launch = spy
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate(_prompts(3), params)
+    assert landed, "no step was launched"
+    assert all(h.is_contiguous() and h.is_pinned() and h.shape[1] < 8 for h in landed)

@@ -118,12 +118,18 @@ class ModelRunner:
         return alloc(shape, dtype=self.config.torch_dtype, device=self.device)
 
     def _landing_buffers(self) -> list[torch.Tensor]:
-        """Two pinned [2, max_num_seqs] float64 buffers that launched steps copy their picks
-        into, in turn: a step's copy never lands on the one the step before it left unread."""
+        """Two pinned float64 buffers of ``2 * max_num_seqs`` that launched steps copy their
+        picks into, in turn: a step's copy never lands on the one the step before it left
+        unread. A step's [2, B] picks land in the first 2B entries, viewed as [2, B]: the
+        destination must be contiguous. (A [2, max_num_seqs] buffer sliced to [:, :B] is
+        strided, and torch copies into a strided host tensor through a pageable temporary,
+        synchronously: the host waited for every step, which undid async scheduling whenever
+        B < max_num_seqs. H100, batch 8 at 4K: 8.6 ms per step with max_num_seqs 32 against
+        7.4 with 8, and the same with only batch <= 8 graphs captured.)"""
         if self.device.type != "cuda":
             return []
-        shape = (2, self.config.max_num_seqs)
-        return [torch.zeros(shape, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        n = 2 * self.config.max_num_seqs
+        return [torch.zeros(n, dtype=torch.float64, pin_memory=True) for _ in range(2)]
 
     def _plan_num_blocks(self) -> int:
         """Blocks in the KV pool: --max-kv-tokens, else what free memory allows."""
@@ -299,7 +305,7 @@ class ModelRunner:
             picks = torch.stack((out.token_ids.double(), out.logprobs.double()))
         if self.device.type != "cuda":
             return Launched(seqs, picks, picks, None)
-        landing = self._landing[self._num_launched % 2][:, : picks.shape[1]]
+        landing = self._landing[self._num_launched % 2][: picks.numel()].view(picks.shape)
         self._num_launched += 1
         landing.copy_(picks, non_blocking=True)
         done = torch.cuda.Event()
