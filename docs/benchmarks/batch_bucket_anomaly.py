@@ -1,7 +1,9 @@
 """Batch-8 decode step time at 4K under variants of what the process captured (issue 13, item 6).
 
-python3 docs/benchmarks/batch_bucket_anomaly.py VARIANT [STEPS]  ->  prints "VARIANT ms/step" (one engine per process).
+python3 docs/benchmarks/batch_bucket_anomaly.py VARIANT [STEPS]: one engine per process, prints
+the ms per step of three timed runs.
 """
+
 import sys
 import time
 
@@ -53,8 +55,9 @@ if variant == "all-ownpool":  # every graph its own memory pool
 if variant == "all-only8graph":  # max_num_seqs 32, but only buckets <= 8 captured
     cg.batch_buckets = lambda n: [1, 2, 4, 8]
 
-config = EngineConfig(model="dummy:llama3.1-8b", max_num_seqs=seqs, max_model_len=8192,
-                      enforce_eager=eager)
+config = EngineConfig(
+    model="dummy:llama3.1-8b", max_num_seqs=seqs, max_model_len=8192, enforce_eager=eager
+)
 t0 = time.perf_counter()
 engine = LLMEngine(config)
 load = time.perf_counter() - t0
@@ -65,5 +68,8 @@ for _ in range(3):
     timing, _ = measure_ours(engine, 4096, 8, steps, gen)
     runs.append(timing.step_s * 1e3)
 buckets = sorted(engine.runner.graphs.graphs) if engine.runner.graphs else "eager"
-print(f"RESULT {variant:16s} {' '.join(f'{r:.3f}' for r in runs)}  (load {load:.0f} s, "
-      f"blocks {engine.runner.num_blocks}, graphs {buckets})", flush=True)
+print(
+    f"RESULT {variant:16s} {' '.join(f'{r:.3f}' for r in runs)}  (load {load:.0f} s, "
+    f"blocks {engine.runner.num_blocks}, graphs {buckets})",
+    flush=True,
+)
