@@ -42,6 +42,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool | None = None  # queue step n+1 before reading step n; None: CUDA
+    # chain the decode layer's Triton kernels with programmatic dependent launch (each launched
+    # early, waiting in-kernel for the one before it; sm_90+ only); None: on with triton
+    pdl_chain: bool | None = None
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
 
     def __post_init__(self) -> None:
@@ -61,6 +64,10 @@ class EngineConfig:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.async_scheduling is None:  # on the CPU a step runs at once: nothing to overlap
             self.async_scheduling = self.device.startswith("cuda")
+        if self.pdl_chain is None:  # the kernels join it only where the device supports PDL
+            self.pdl_chain = self.attention_backend == "triton"
+        elif self.pdl_chain and self.attention_backend != "triton":
+            raise ValueError("pdl_chain needs the triton attention backend")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -37,8 +37,9 @@ def _silu_and_mul_kernel(
              mask=mask)  # fmt: skip
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """``kernels.reference.silu_and_mul`` in one kernel."""
+def silu_and_mul(x: torch.Tensor, *, chain: bool = True) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """``kernels.reference.silu_and_mul`` in one kernel; ``chain``: join the decode layer's PDL
+    chain where the device supports it (``kernels.common.pdl_chain``)."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, 2I] with contiguous rows; got {tuple(x.shape)}")
     t, inter = x.shape[0], x.shape[1] // 2
@@ -46,5 +47,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     if t:
         grid = (t, triton.cdiv(inter, _BLOCK))
         _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK,
-                                   **pdl_kwargs(x.device))  # fmt: skip
+                                   **pdl_kwargs(x.device, chain))  # fmt: skip
     return out

@@ -302,7 +302,7 @@ def prefill_table(sizes) -> list[dict]:
     return rows
 
 
-DECODE_CONFIGS = [  # (BLOCK_N, num_warps, num_stages); the first is decode_config's default
+DECODE_CONFIGS = [  # DecodeTuning.tiles; the first is decode_config's default
     (64, 4, 4), (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (64, 8, 3), (64, 8, 4),
     (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
 ]  # fmt: skip
@@ -316,41 +316,24 @@ PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
 }  # fmt: skip
 SWEEP_POINTS = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384),
                 (32, 4096), (32, 131072)]  # fmt: skip
-SWEEPS = ("decode-config", "loads", "loop", "fuse", "pdl", "layout", "splits", "page", "prefill")
-LOAD_VARIANTS = {  # name: decode._KV_LOADS (cache modifier, eviction policy, V after softmax)
-    "default": ("", "", False),
-    ".cg": (".cg", "", False),
-    "evict_first": ("", "evict_first", False),
-    ".cg evict_first": (".cg", "evict_first", False),
-    "V late": ("", "", True),
-}
-_BOTH = {"PAGE_VEC": True, "SPLIT_TAIL": True}
-LOOP_VARIANTS = {  # name: (decode._LOOP, time_ours kwargs)
-    "default": ({"PAGE_VEC": True, "SPLIT_TAIL": False}, {}),  # entries once per page
-    "page entries once per token": ({"PAGE_VEC": False, "SPLIT_TAIL": False}, {}),
-    "unmasked whole tiles": ({"PAGE_VEC": False, "SPLIT_TAIL": True}, {}),
-    "both": (_BOTH, {}),
-    "both, (128, 4, 2)": (_BOTH, {"config": (128, 4, 2)}),
-    "both, page 64": (_BOTH, {"page": 64}),
-}
+SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill")
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def sweep(which: list[str], points=None) -> list[dict]:
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
-    decode-config: stage-1 (BLOCK_N, warps, stages); loads: K/V load cache modifier and
-    eviction policy, V loaded after the softmax, beside SDPA; loop: block-table entries loaded
-    once per page, whole tiles without masks (also with 128-key tiles, and 64-token pages),
-    beside SDPA; fuse: the merge in stage 1's last
-    program per (sequence, KV head) or in a second kernel; pdl: programmatic dependent launch
-    on or off; layout: the same KV bytes placed differently: [N, BS, Hkv, D] pages shuffled or
-    in order, or one KV head per sequence (a head's rows contiguous within a page: the layout
-    of a head-major cache) in pages of 16 or 128 tokens or wholly contiguous (SDPA's layout);
-    splits: split counts (at most two waves of 3 programs per SM); page: page sizes; prefill:
-    tile configs (TFLOP/s in "tflops"). ``points``: (batch, context) pairs for the decode sweeps.
+    Decode variants are ``DecodeTuning`` values or call arguments, never module state.
+    decode-config: stage-1 (BLOCK_N, warps, stages) (``DecodeTuning.tiles``); pdl:
+    programmatic dependent launch on or off (``DecodeTuning.pdl``); layout: the same KV bytes
+    placed differently: [N, BS, Hkv, D] pages shuffled or in order, or one KV head per
+    sequence (a head's rows contiguous within a page: the layout of a head-major cache) in
+    pages of 16 or 128 tokens or wholly contiguous (SDPA's layout); splits: split counts (at
+    most two waves of 3 programs per SM); page: page sizes; prefill: tile configs (TFLOP/s in
+    "tflops"). ``points``: (batch, context) pairs for the decode sweeps. Variants that lost
+    (K/V load hints, loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
     """
-    from kernels import decode
+    from kernels.decode import DecodeTuning
 
     res = []
     pts = points or (SWEEP_POINTS if not SMOKE else [(1, 256)])
@@ -363,41 +346,13 @@ def sweep(which: list[str], points=None) -> list[dict]:
     if "decode-config" in which:
         for bsz, ctx in pts:
             for cfg in DECODE_CONFIGS:
-                rec("decode-config", bsz, ctx, cfg, attempt(time_ours, bsz, ctx, config=cfg))
+                tuning = DecodeTuning(tiles=cfg)
+                rec("decode-config", bsz, ctx, cfg, attempt(time_ours, bsz, ctx, tuning=tuning))
 
-    def beside_sdpa(kind, variants, knob, rounds):
-        """Each variant (``decode.<knob>`` value, time_ours kwargs) and SDPA at every point, in
-        ``rounds`` alternated rounds, medians; the knob is left at the first variant."""
-        for bsz, ctx in pts:
-            times: dict[str, list] = {}
-            for _ in range(rounds):
-                times.setdefault("SDPA (contiguous)", []).append(attempt(time_sdpa, bsz, ctx))
-                for name, (value, kw) in variants.items():
-                    setattr(decode, knob, value)
-                    times.setdefault(name, []).append(attempt(time_ours, bsz, ctx, **kw))
-            for name, us in times.items():
-                rec(kind, bsz, ctx, name, _median(us), rounds=us)
-        setattr(decode, knob, next(iter(variants.values()))[0])
-
-    if "loads" in which:
-        loads = {name: (value, {}) for name, value in LOAD_VARIANTS.items()}
-        beside_sdpa("loads", loads, "_KV_LOADS", 1)
-    if "loop" in which:  # alternated rounds, medians: the differences are ~1%
-        beside_sdpa("loop", LOOP_VARIANTS, "_LOOP", ROUNDS)
-    if "fuse" in which:
-        for bsz, ctx in pts:
-            for name, fused in (("fused", True), ("combine kernel", False)):
-                decode._FUSE_COMBINE = fused
-                rec("fuse", bsz, ctx, name, attempt(time_ours, bsz, ctx))
-        decode._FUSE_COMBINE = True
     if "pdl" in which:
         for bsz, ctx in pts:
-            for name, on in (("none", False), ("pdl", True)):
-                decode._USE_PDL = on
-                decode._pdl_supported.cache_clear()
-                rec("pdl", bsz, ctx, name, attempt(time_ours, bsz, ctx))
-        decode._USE_PDL = True
-        decode._pdl_supported.cache_clear()
+            for name, tuning in (("none", DecodeTuning(pdl=False)), ("pdl", DecodeTuning())):
+                rec("pdl", bsz, ctx, name, attempt(time_ours, bsz, ctx, tuning=tuning))
     if "layout" in which:  # what the KV placement costs: the kernel alone on SDPA's layout
         variants = (  # name, batch factor, time_ours kwargs
             ("8 heads/page, page 16, shuffled", 1, {}),

@@ -4,19 +4,10 @@ checks, and the zeroed counters of in-kernel merges."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-
-# Programmatic dependent launch along the decode layer (sm_90+): each of the layer's kernels
-# (norms, linear layers, RoPE and KV write, attention, SiLU) is launched early, waits in-kernel
-# for the one before it, then lets the next one launch, so each launch overlaps the previous
-# kernel's last wave. On by default; FLASHSERVE_PDL_CHAIN=0 turns it off. H100, Llama-3-8B
-# shape, batch 1, async scheduling, off / on alternated twice: 4K 5.97, 5.95 / 5.86, 5.86 ms per
-# step; 32K 7.21, 7.20 / 7.09, 7.09 (docs/benchmarks/decode.md).
-PDL_CHAIN = os.environ.get("FLASHSERVE_PDL_CHAIN", "1") == "1"
 
 
 @functools.cache
@@ -44,16 +35,23 @@ def pdl_wait(device: torch.device) -> bool:
     return pdl_trigger(device) and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-def pdl_chain(device: torch.device) -> bool:
-    """Whether kernels on ``device`` join the PDL chain (``PDL_CHAIN`` on, sm_90+)."""
-    return PDL_CHAIN and pdl_wait(device)
+# Programmatic dependent launch along the decode layer (sm_90+): each of the layer's kernels
+# (norms, linear layers, RoPE and KV write, attention, SiLU) is launched early, waits in-kernel
+# for the one before it, then lets the next one launch, so each launch overlaps the previous
+# kernel's last wave. The launchers take it as ``chain=`` (EngineConfig.pdl_chain, through the
+# backend). H100, Llama-3-8B shape, batch 1, async scheduling, off / on alternated twice: 4K
+# 5.97, 5.95 / 5.86, 5.86 ms per step; 32K 7.21, 7.20 / 7.09, 7.09 (docs/benchmarks/decode.md).
+def pdl_chain(device: torch.device, chain: bool) -> bool:
+    """Whether kernels on ``device`` join the PDL chain: asked for (``chain``) and possible
+    there (sm_90+, a Triton with ``gdc_wait``)."""
+    return chain and pdl_wait(device)
 
 
-def pdl_kwargs(device: torch.device) -> dict:
-    """Launch arguments of a chained kernel: its ``CHAIN`` constexpr (``pdl_enter``), and an
-    early launch when the chain is on."""
-    chain = pdl_chain(device)
-    return {"CHAIN": chain, "launch_pdl": True} if chain else {"CHAIN": False}
+def pdl_kwargs(device: torch.device, chain: bool) -> dict:
+    """Launch arguments of a kernel that may join the chain: its ``CHAIN`` constexpr
+    (``pdl_enter``), and an early launch when it joins."""
+    on = pdl_chain(device, chain)
+    return {"CHAIN": on, "launch_pdl": True} if on else {"CHAIN": False}
 
 
 @triton.jit

@@ -10,8 +10,7 @@ One kernel (``_decode_split_kernel``), grid ``(B, Hkv, S)``: program ``(b, g, s)
 the sequence's KV through its block table, and writes that split's normalised partial output
 and LSE. The last of the ``S`` programs of ``(b, g)`` to finish (an atomic counter per
 ``(b, g)`` tells it) merges the ``S`` partials by their LSEs into the output, so a call is one
-launch. With ``S == 1`` the program writes the output directly. ``_FUSE_COMBINE = False``
-merges in a second kernel (``_decode_combine_kernel``, grid ``(B, Hq)``) instead.
+launch. With ``S == 1`` the program writes the output directly.
 
 CUDA graphs: the grid depends only on host ints (``B``, ``max_seq_len``). Each program reads its
 sequence length from device memory; by default the ``S`` splits divide each sequence evenly, so
@@ -21,8 +20,12 @@ split length instead (the same reduction order whatever the batch: batch-invaria
 merge counters live in a per-device buffer that every launch leaves zeroed (the merging
 program resets its counter), so replays need no memset; calls on one device must not overlap.
 
-On sm_90+ the kernel uses programmatic dependent launch: it is scheduled while its predecessor
-(``write_kv``) runs and waits for it in-kernel (``gdc_wait``) before touching memory.
+Tuning is a value, ``DecodeTuning`` (``tuning=``; ``DEFAULT_DECODE_TUNING`` holds the measured
+choices); variants that lost their measurements are gone, their numbers kept in
+docs/benchmarks/kernels-notes.md ("Deleted variants"). On sm_90+ the kernel uses programmatic
+dependent launch: it is scheduled while its predecessor (``rope_write_kv``) runs and waits for
+it in-kernel (``gdc_wait``) before touching memory; with ``chain=`` (the decode layer's PDL
+chain, ``kernels.common``) it lets the next kernel launch once its KV loop is done.
 """
 
 from __future__ import annotations
@@ -30,88 +33,55 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.common import SplitCounters, check_kv_pages, pdl_chain, pdl_wait
+from kernels.common import SplitCounters, check_kv_pages, pdl_wait
 from kernels.common import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_pages(
-    bt, n0, end, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_VEC: tl.constexpr
-):
+def _tile_pages(bt, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Block-table entries of the KV tile at token ``n0`` (int64): one scalar when the tile
-    lies in one page, else one per token [BN]. Tokens at or past ``end`` read nothing (0).
-    ``PAGE_VEC``: load the tile's BN / PAGE entries once each and repeat them per token,
-    instead of one (repeated) entry load per token."""
+    lies in one page, else the tile's BN / PAGE entries, each loaded once and repeated per
+    token [BN] (H100, B=1/4K: 11.4 µs; one entry load per token: 11.9). Pages at or past
+    ``end`` read nothing (0)."""
     if PAGE >= BLOCK_N:
         return tl.load(bt + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
-    elif PAGE_VEC:
+    else:
         idx = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
         ent = tl.load(bt + idx, mask=idx * PAGE < end, other=0).to(tl.int64)
         return tl.reshape(tl.broadcast_to(ent[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,))
-    else:
-        kv = n0 + offs_n
-        return tl.load(bt + kv // PAGE, mask=kv < end, other=0).to(tl.int64)
 
 
 @triton.jit
 def _attend_tile(
     q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb, stride_kt,
-    head_off, qk_scale,
-    PAGE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    KV_CACHE: tl.constexpr, KV_EVICT: tl.constexpr, V_LATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    head_off, qk_scale, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``):
-    the updated (m_i, l_i, acc). ``MASKED``: the tile may reach past ``end`` (else every token
-    is in range, and with ``EVEN_D`` the loads need no mask at all)."""
+    """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``;
+    tokens at or past ``end`` masked): the updated (m_i, l_i, acc)."""
     kv = n0 + offs_n  # [BN] token positions
     row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
-    k_ptrs = K + row[:, None] + offs_d[None, :]
-    v_ptrs = V + row[:, None] + offs_d[None, :]
-    if MASKED:
-        kv_mask = kv < end
-        ld_mask = kv_mask[:, None] & d_mask[None, :]
-    else:
-        ld_mask = d_mask[None, :]  # unused with EVEN_D
-    k = _load_tile(k_ptrs, ld_mask, MASKED, EVEN_D, KV_CACHE, KV_EVICT)
-    if not V_LATE:
-        v = _load_tile(v_ptrs, ld_mask, MASKED, EVEN_D, KV_CACHE, KV_EVICT)
+    kv_mask = kv < end
+    ld_mask = kv_mask[:, None] & d_mask[None, :]  # [BN, BD]
+    k = tl.load(K + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
+    v = tl.load(V + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN], log2
-    if MASKED:
-        s = tl.where(kv_mask[None, :], s, float("-inf"))
+    s = tl.where(kv_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_LATE:
-        v = _load_tile(v_ptrs, ld_mask, MASKED, EVEN_D, KV_CACHE, KV_EVICT)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _load_tile(
-    ptrs, mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr, KV_CACHE: tl.constexpr,
-    KV_EVICT: tl.constexpr,
-):  # fmt: skip
-    """A K or V tile: masked unless every token is in range and the head dim fills BLOCK_D."""
-    if MASKED:
-        return tl.load(
-            ptrs, mask=mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
-        )
-    elif EVEN_D:
-        return tl.load(ptrs, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT)
-    else:
-        return tl.load(
-            ptrs, mask=mask, other=0.0, cache_modifier=KV_CACHE, eviction_policy=KV_EVICT
-        )
 
 
 @triton.jit
@@ -145,7 +115,7 @@ def _merge_splits(
     chunk, the partial loads not waiting on the LSE loads. Chunks past the last non-empty split
     change nothing (weight 0, scale exactly 1), so with a fixed BLOCK_S the result does not
     depend on the number of splits. Loads bypass L1 (``.cg``): other programs of this grid
-    (fused merge) or the previous kernel wrote the partials.
+    wrote the partials.
     """
     offs_h = tl.arange(0, BLOCK_H)
     offs_s = tl.arange(0, BLOCK_S)
@@ -192,9 +162,9 @@ def _decode_split_kernel(
     BlockTables,  # [B, M] int32
     PartOut,  # [B, Hq, S, D] fp32 partials, or Out itself (DIRECT)
     PartLse,  # [B, Hq, S] fp32 partials, or Lse itself (DIRECT)
-    Out,  # [B, Hq, D]: FUSED merges into it
+    Out,  # [B, Hq, D]: the last program of each (b, g) merges into it
     Lse,  # [B, Hq] fp32 (STORE_LSE)
-    Counters,  # [B * Hkv] int32, zero between launches (FUSED)
+    Counters,  # [B * Hkv] int32, zero between launches (not DIRECT)
     qk_scale,  # scale * log2(e)
     num_splits,  # S, a runtime int: one compiled kernel serves every batch size
     min_split,  # tokens; each split is at least this long (a multiple of BLOCK_N)
@@ -217,30 +187,18 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     DIRECT: tl.constexpr,
-    FUSED: tl.constexpr,
     STORE_LSE: tl.constexpr,
-    PDL: tl.constexpr,
     PDL_WAIT: tl.constexpr,
+    CHAIN: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MERGE_H: tl.constexpr,
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    KV_CACHE: tl.constexpr = "",
-    KV_EVICT: tl.constexpr = "",
-    V_LATE: tl.constexpr = False,
-    PAGE_VEC: tl.constexpr = True,
-    SPLIT_TAIL: tl.constexpr = False,
-    CHAIN: tl.constexpr = False,
-    CHAIN_LATE: tl.constexpr = True,
 ):
-    if PDL:  # a separate combine may be scheduled now; it waits for this grid's results itself
-        tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
         tl.extra.cuda.gdc_wait()
-    if CHAIN and not CHAIN_LATE:  # the PDL chain: the next kernel may launch now (it waits)
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -270,28 +228,18 @@ def _decode_split_kernel(
     # and the pipeliner keeps num_stages - 1 K/V tiles in flight (Triton 3.6, sm_90: 2 buffers
     # at 3 stages, 71.7 KB smem; 3 at 4, 104.4 KB; entries loaded in the loop: 1 buffer at any
     # num_stages, 2 loads two tiles ahead: no pipelining at all).
-    pages = _tile_pages(bt, start, end, offs_n, PAGE, BLOCK_N, PAGE_VEC)
-    full_end = start
-    if SPLIT_TAIL:  # whole tiles without masks, then the partial tile (if any) masked
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(start, full_end, BLOCK_N):
-            nxt = _tile_pages(bt, n0 + BLOCK_N, end, offs_n, PAGE, BLOCK_N, PAGE_VEC)
-            m_i, l_i, acc = _attend_tile(
-                q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
-                stride_kt, head_off, qk_scale, PAGE=PAGE, MASKED=False,
-                EVEN_D=HEAD_DIM == BLOCK_D, KV_CACHE=KV_CACHE, KV_EVICT=KV_EVICT,
-                V_LATE=V_LATE, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
-            pages = nxt
-    for n0 in range(full_end, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
-        nxt = _tile_pages(bt, n0 + BLOCK_N, end, offs_n, PAGE, BLOCK_N, PAGE_VEC)
+    pages = _tile_pages(bt, start, end, PAGE, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
+        nxt = _tile_pages(bt, n0 + BLOCK_N, end, PAGE, BLOCK_N)
         m_i, l_i, acc = _attend_tile(
             q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
-            stride_kt, head_off, qk_scale, PAGE=PAGE, MASKED=True, EVEN_D=HEAD_DIM == BLOCK_D,
-            KV_CACHE=KV_CACHE, KV_EVICT=KV_EVICT, V_LATE=V_LATE, DOT_PRECISION=DOT_PRECISION,
+            stride_kt, head_off, qk_scale, PAGE=PAGE, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         pages = nxt
-    if CHAIN and CHAIN_LATE:  # the PDL chain: the next kernel may launch once KV is read
+    # The PDL chain: the next kernel may launch now that the KV is read (it waits). At the
+    # kernel's start instead, its programs held SM slots beside this one's: H100, 11-13%
+    # slower at 6 of 8 points (B=1/16K 32.0 µs vs 29.0, 8/4K 57.7 vs 51.7; kernels-notes.md).
+    if CHAIN:
         tl.extra.cuda.gdc_launch_dependents()
 
     empty = l_i == 0.0  # a split with no tokens: output 0, LSE -inf
@@ -308,100 +256,94 @@ def _decode_split_kernel(
     else:
         tl.store(o_ptrs + offs_d[None, :], out, mask=o_mask)
         tl.store(l_ptrs, lse, mask=g_mask)
-        if FUSED:
-            # The last of the S programs of (b, hkv) to finish merges all S partials: a
-            # barrier (every thread's partial stores issued), then one acq_rel atomic at GPU
-            # scope (releases them; the last one acquires everyone else's).
-            tl.debug_barrier()
-            counter = Counters + b * tl.num_programs(1) + hkv
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
-                _merge_splits(
-                    PartOut, PartLse, Out, Lse, b.to(tl.int64), hkv * GROUP, num_splits,
-                    stride_pb, stride_ph, stride_ps, stride_plb, stride_plh,
-                    stride_ob, stride_oh, stride_lb, stride_lh,
-                    NH=GROUP, HEAD_DIM=HEAD_DIM, STORE_LSE=STORE_LSE, BLOCK_H=MERGE_H,
-                    BLOCK_S=MERGE_S, BLOCK_D=BLOCK_D,
-                )  # fmt: skip
+        # The last of the S programs of (b, hkv) to finish merges all S partials: a barrier
+        # (every thread's partial stores issued), then one acq_rel atomic at GPU scope
+        # (releases them; the last one acquires everyone else's).
+        tl.debug_barrier()
+        counter = Counters + b * tl.num_programs(1) + hkv
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
+            _merge_splits(
+                PartOut, PartLse, Out, Lse, b.to(tl.int64), hkv * GROUP, num_splits,
+                stride_pb, stride_ph, stride_ps, stride_plb, stride_plh,
+                stride_ob, stride_oh, stride_lb, stride_lh,
+                NH=GROUP, HEAD_DIM=HEAD_DIM, STORE_LSE=STORE_LSE, BLOCK_H=MERGE_H,
+                BLOCK_S=MERGE_S, BLOCK_D=BLOCK_D,
+            )  # fmt: skip
 
 
-@triton.jit
-def _decode_combine_kernel(
-    PartOut,  # [B, Hq, S, D] fp32
-    PartLse,  # [B, Hq, S] fp32
-    Out,  # [B, Hq, D]
-    Lse,  # [B, Hq] fp32
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_plb,
-    stride_plh,
-    stride_ob,
-    stride_oh,
-    stride_lb,
-    stride_lh,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The unfused stage 2 (``_FUSE_COMBINE = False``): grid (B, Hq), one head each."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # launched early (PDL): wait until stage 1 is done and visible
-    _merge_splits(
-        PartOut, PartLse, Out, Lse, b, h, num_splits,
-        stride_pb, stride_ph, stride_ps, stride_plb, stride_plh,
-        stride_ob, stride_oh, stride_lb, stride_lh,
-        NH=1, HEAD_DIM=HEAD_DIM, STORE_LSE=STORE_LSE, BLOCK_H=1, BLOCK_S=BLOCK_S,
-        BLOCK_D=BLOCK_D,
-    )  # fmt: skip
+# ---- tuning (measurements: docs/benchmarks/kernels.md and kernels-notes.md, H100 unless said,
+# µs per call under CUDA graph replay, Llama-3-8B heads, bf16; `python -m kernels.bench --sweep`)
 
-
-# ---- tuning (measurements: docs/benchmarks/kernels.md, `python -m kernels.bench --sweep`)
-
-# Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a second,
-# mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168 µs). H100,
-# (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4 /
-# 31.7, 64K 95.0 / 98.8; B=32/4K: 1 split (256 programs) 184 µs, 2 splits (512) 195.
-_PROGRAMS_PER_SM = 2
 _SMEM_PER_SM = 228 << 10  # sm_90; each resident program also holds 1 KB of the driver's
-# Tokens per split at least (4 tiles; the heuristic only): H100, B=1/4K, (64, 4, 3): 16
-# splits of 256 tokens 11.8 µs, 32 of 128 12.3, 64 of 64 15.8.
-_MIN_SPLIT_TOKENS = 256
-_SHORT_SPLIT_TOKENS = 4096  # stages_for: up to this split length, one pipeline stage fewer
-_MAX_SPLITS = 256
 _FIXED_CHUNK = 16  # splits merged per step in split_size mode: the order never depends on S
-# The last stage-1 program of each (sequence, KV head) merges the splits (an atomic counter
-# finds it) instead of a second kernel: one launch per call.
-_FUSE_COMBINE = True
-# Programmatic dependent launch (sm_90+): stage 1 is launched while the previous kernel
-# (write_kv, which triggers early) runs and waits for it in-kernel; with _FUSE_COMBINE off, the
-# combine is launched while stage 1 runs. H200, graph replay, unfused (none / combine / both):
-# B=1/4K 13.4 / 12.1 / 11.9 µs, B=1/16K 27.2 / 26.9 / 26.0; B=32/128K 3880 / 3900 / 3949.
-# The fused kernel triggers dependents only in the PDL chain (kernels.common.PDL_CHAIN), where
-# the linear layer after it launches early; otherwise nothing after decode launches with PDL.
-_USE_PDL = True
-_PDL_STAGE1 = True
-# In the chain, the kernel lets the next one launch after its KV loop (else at its start:
-# the next kernel's programs then wait on SMs beside this one's for the whole call).
-_CHAIN_LATE = True
-# K/V tile loads: (cache modifier, eviction policy, V loaded after the softmax); tuning only
-# (H100: none moved a point by more than the spread, docs/benchmarks/kernels-notes.md run 6).
-_KV_LOADS = ("", "", False)
-# KV-loop variants (`--sweep loop`): the block-table entries of a tile loaded once per page
-# (PAGE_VEC, on), whole tiles without masks and the partial one apart (SPLIT_TAIL, off). H100,
-# medians of 3 alternated rounds, µs, once per page / once per token / SPLIT_TAIL alone: 1x4K
-# 11.4 / 11.9 / 12.2, 1x16K 29.0 / 29.8 / 30.3, 1x128K 184.5 / 187.1 / 186.1, 8x4K 51.2 / 51.7
-# / 52.5, 32x16K 720.5 / 725.1 / 722.6 (docs/benchmarks/kernels.md).
-_LOOP = {"PAGE_VEC": True, "SPLIT_TAIL": False}
 
 
-def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class DecodeTuning:
+    """The decode kernel's tuning choices, passed to the launcher as one value
+    (``decode_attention(tuning=...)``); ``DEFAULT_DECODE_TUNING`` holds the measured ones.
+    ValueError on construction for values the kernel cannot run."""
+
+    # Stage 1's (BLOCK_N, num_warps, num_stages) for every call; None: decode_config's rule,
+    # with stages_for taking one stage off short splits.
+    tiles: tuple[int, int, int] | None = None
+    # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
+    # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
+    # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
+    # / 31.7, 64K 95.0 / 98.8; B=32/4K: 1 split (256 programs) 184 µs, 2 splits (512) 195.
+    programs_per_sm: int = 2
+    # Tokens per split at least (4 tiles; the heuristic only): B=1/4K, (64, 4, 3): 16 splits
+    # of 256 tokens 11.8 µs, 32 of 128 12.3, 64 of 64 15.8.
+    min_split_tokens: int = 256
+    # stages_for: splits up to this many tokens run with one pipeline stage fewer.
+    short_split_tokens: int = 4096
+    max_splits: int = 256  # the heuristic's cap on splits per sequence
+    # Programmatic dependent launch (sm_90+): stage 1 is launched while the kernel before it
+    # (rope_write_kv, which triggers early) runs, and waits for it in-kernel. On / off, fused
+    # merge: B=1/4K 12.3 / 12.5, 16K 30.7 / 31.0, B=8/4K 53.2 / 53.6 (kernels-notes.md run 5).
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tiles is not None:
+            object.__setattr__(self, "tiles", tuple(self.tiles))
+            _check_tiles(self.tiles)
+        for name in ("programs_per_sm", "min_split_tokens", "max_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
+        if self.short_split_tokens < 0:
+            raise ValueError(f"DecodeTuning.short_split_tokens must be >= 0, "
+                             f"got {self.short_split_tokens}")  # fmt: skip
+
+
+def _check_tiles(tiles: tuple) -> None:
+    """(BLOCK_N, num_warps, num_stages): BLOCK_N a power of two >= 16 (``tl.dot``), num_warps a
+    power of two, num_stages >= 1."""
+    block_n, warps, stages = tiles if len(tiles) == 3 else (0, 0, 0)
+    if not (block_n >= 16 and _is_pow2(block_n) and _is_pow2(warps) and stages >= 1):
+        raise ValueError(f"DecodeTuning.tiles {tiles}: (BLOCK_N, num_warps, num_stages) with "
+                         "BLOCK_N a power of two >= 16, num_warps a power of two, "
+                         "num_stages >= 1")  # fmt: skip
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+DEFAULT_DECODE_TUNING = DecodeTuning()
+
+
+class SplitPlan(NamedTuple):
+    """How one call splits the KV: ``splits`` programs per (sequence, KV head), each split at
+    least ``min_split`` tokens (a multiple of BLOCK_N), stage 1 compiled with ``tiles``."""
+
+    splits: int
+    min_split: int
+    tiles: tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
+
+
+def decode_config(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of stage 1, independent of the batch size (so that
     ``split_size=`` gives batch-invariant results). The block-table entries are loaded a tile
     ahead, so num_stages - 1 K/V tiles are in flight per program: 3 at (64, 4, 4) (104 KB of
@@ -413,44 +355,88 @@ def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
     return block_n, 4, 4
 
 
-def stages_for(config: tuple[int, int, int], split_tokens: int) -> tuple[int, int, int]:
-    """One stage fewer (2 K/V tiles in flight) for splits of at most ``_SHORT_SPLIT_TOKENS``:
-    the pipeline fills sooner. The result is the same at any stage count. H100, (64, 4, 3) vs
-    (64, 4, 4), medians of 5 interleaved runs: 1x4K 11.8 / 11.9 µs, 1x16K 29.7 / 30.0,
-    1x64K 95.5 / 97.3, 8x4K 51.8 / 52.8; splits of 16K-32K tokens: 0.3-1% slower."""
+def stages_for(
+    config: tuple[int, int, int], split_tokens: int, tuning: DecodeTuning = DEFAULT_DECODE_TUNING
+) -> tuple[int, int, int]:
+    """One stage fewer (2 K/V tiles in flight) for splits of at most
+    ``tuning.short_split_tokens``: the pipeline fills sooner. The result is the same at any
+    stage count. (64, 4, 3) vs (64, 4, 4), medians of 5 interleaved runs: 1x4K 11.8 / 11.9 µs,
+    1x16K 29.7 / 30.0, 1x64K 95.5 / 97.3, 8x4K 51.8 / 52.8; splits of 16K-32K tokens: 0.3-1%
+    slower."""
     block_n, warps, stages = config
-    return (block_n, warps, stages - 1) if split_tokens <= _SHORT_SPLIT_TOKENS else config
+    return (block_n, warps, stages - 1) if split_tokens <= tuning.short_split_tokens else config
 
 
-def programs_per_sm(config: tuple[int, int, int], head_dim: int, itemsize: int) -> int:
+def programs_per_sm(
+    config: tuple[int, int, int],
+    head_dim: int,
+    itemsize: int,
+    tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+) -> int:
     """Stage-1 programs that fit on one SM at once (shared memory: num_stages - 1 K and V tiles
     plus ~8 KB for q, P and layout scratch; 38.9 / 71.7 / 104.4 KB at (64, 4, 2 / 3 / 4) on
-    sm_90, Triton 3.6), capped at ``_PROGRAMS_PER_SM``."""
+    sm_90, Triton 3.6), capped at ``tuning.programs_per_sm``."""
     block_n, _, stages = config
     smem = max(1, stages - 1) * 2 * block_n * head_dim * itemsize + (9 << 10)
-    return max(1, min(_PROGRAMS_PER_SM, _SMEM_PER_SM // smem))
+    return max(1, min(tuning.programs_per_sm, _SMEM_PER_SM // smem))
 
 
 def num_splits_for(
-    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int, per_sm: int
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    block_n: int,
+    per_sm: int,
+    tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
 ) -> int:
     """Splits per sequence: the most that keep ``batch * num_kv_heads * splits`` stage-1
-    programs within ``per_sm`` per SM, no split under ``_MIN_SPLIT_TOKENS``, and every split
-    the same whole number of tiles (none left empty by rounding)."""
+    programs within ``per_sm`` per SM, no split under ``tuning.min_split_tokens``, at most
+    ``tuning.max_splits``, and every split the same whole number of tiles (none left empty by
+    rounding)."""
     want = max(1, per_sm * num_sms // (batch * num_kv_heads))
-    tiles = math.ceil(max_seq_len / max(_MIN_SPLIT_TOKENS, block_n))
-    per_split = math.ceil(tiles / min(want, tiles, _MAX_SPLITS))
+    tiles = math.ceil(max_seq_len / max(tuning.min_split_tokens, block_n))
+    per_split = math.ceil(tiles / min(want, tiles, tuning.max_splits))
     return max(1, math.ceil(tiles / per_split))
+
+
+def plan_splits(
+    batch: int,
+    num_kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    max_seq_len: int,
+    num_sms: int,
+    tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+    num_splits: int | None = None,
+    split_size: int | None = None,
+) -> SplitPlan:
+    """The split count, minimum split length and stage-1 tiles of a call (see
+    ``decode_attention`` for ``num_splits`` and ``split_size``); host ints only, so the plan of
+    a CUDA-graph capture holds for its replays."""
+    tiles = tuning.tiles or decode_config(head_dim)
+    block_n = tiles[0]
+    if split_size is not None:
+        if split_size <= 0 or split_size % block_n:
+            raise ValueError(f"split_size {split_size} must be a positive multiple of {block_n}")
+        return SplitPlan(max(1, math.ceil(max_seq_len / split_size)), split_size, tiles)
+    if num_splits is not None:  # split as asked
+        return SplitPlan(max(1, int(num_splits)), block_n, tiles)
+    per_sm = programs_per_sm(tiles, head_dim, itemsize, tuning)
+    splits = num_splits_for(batch, num_kv_heads, max_seq_len, num_sms, block_n, per_sm, tuning)
+    # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
+    min_split = math.ceil(tuning.min_split_tokens / block_n) * block_n
+    if tuning.tiles is None:
+        tiles = stages_for(tiles, math.ceil(max_seq_len / splits), tuning)
+    return SplitPlan(splits, min_split, tiles)
 
 
 # one per (sequence, KV head): the last stage-1 program of each merges the splits
 _COUNTERS = SplitCounters("decode_attention", 1 << 14)
 _split_counters = _COUNTERS.take
-
-
-@functools.cache
-def _pdl_supported(device: torch.device) -> bool:
-    return _USE_PDL and pdl_wait(device)
+# Devices whose Triton refused a PDL launch of stage 1 (a Triton without ``launch_pdl``):
+# plain launches there from then on. Only _launch_maybe_pdl adds to it.
+_PDL_REFUSED: set[torch.device] = set()
 
 
 def decode_attention(
@@ -466,14 +452,16 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     split_size: int | None = None,
-    config: tuple[int, int, int] | None = None,
+    tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+    chain: bool = True,
 ):
     """Decode attention of one query token per sequence over its paged KV (see module doc).
 
     ``max_seq_len`` bounds every ``seq_lens[b]`` (host int; from the block table's width if
     None): it sizes the grid and must not change between CUDA-graph replays. ``num_splits``
     overrides the split heuristic; ``split_size`` (a multiple of the KV tile, 64) fixes the
-    tokens per split. ``config`` = (BLOCK_N, num_warps, num_stages) overrides the tuning.
+    tokens per split. ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``:
+    join the decode layer's PDL chain where the device supports it (``kernels.common``).
     Returns ``out`` [B, Hq, D], and ``lse`` [B, Hq] fp32 (natural log) if ``return_lse``.
     """
     bsz, hq, d = q.shape
@@ -489,52 +477,47 @@ def decode_attention(
     if bsz == 0:
         return (out, lse) if return_lse else out
 
-    group = hq // hkv
-    tiles = tuple(config or decode_config(d, group))
-    block_n = tiles[0]
-    min_split = block_n  # explicit num_splits: split as asked
-    if split_size is not None:
-        if split_size <= 0 or split_size % block_n:
-            raise ValueError(f"split_size {split_size} must be a positive multiple of {block_n}")
-        min_split = split_size
-        splits = max(1, math.ceil(max_seq_len / split_size))
-    elif num_splits is not None:
-        splits = max(1, int(num_splits))
-    else:
-        per_sm = programs_per_sm(tiles, d, q.element_size())
-        splits = num_splits_for(bsz, hkv, max_seq_len, _num_sms(q.device), block_n, per_sm)
-        # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
-        min_split = math.ceil(_MIN_SPLIT_TOKENS / block_n) * block_n
-        if config is None:
-            tiles = stages_for(tiles, math.ceil(max_seq_len / splits))
-
-    if splits == 1:  # stage 1 writes the output
+    itemsize = q.element_size()
+    plan = plan_splits(bsz, hkv, d, itemsize, max_seq_len, _num_sms(q.device), tuning,
+                       num_splits, split_size)  # fmt: skip
+    if plan.splits == 1:  # stage 1 writes the output
         part_out, part_lse = out, lse if return_lse else out.new_empty((1,), dtype=torch.float32)
+        counters = part_lse  # unused
     else:
-        part_out = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
-    fused = _FUSE_COMBINE and splits > 1
-    counters = _split_counters(q.device, bsz * hkv) if fused else part_lse
-    args = (q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse, counters)
-    pdl = _pdl_supported(q.device)
-    try:
-        _launch(*args, scale, splits, min_split, tiles, return_lse, bool(split_size), fused, pdl)
-    except Exception as e:
-        if not pdl:
-            raise
-        warnings.warn(
-            f"decode: no programmatic dependent launch ({e}); plain launches", stacklevel=2
-        )
-        global _USE_PDL
-        _USE_PDL = False  # a Triton without PDL launches: plain launches from now on
-        _pdl_supported.cache_clear()
-        _launch(*args, scale, splits, min_split, tiles, return_lse, bool(split_size), fused, False)
+        part_out = torch.empty((bsz, hq, plan.splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((bsz, hq, plan.splits), dtype=torch.float32, device=q.device)
+        counters = _split_counters(q.device, bsz * hkv)
+    per_sm = programs_per_sm(plan.tiles, d, itemsize, tuning)
+    launch = functools.partial(
+        _launch, q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse,
+        counters, scale, plan, per_sm, return_lse, split_size is not None, chain,
+    )  # fmt: skip
+    _launch_maybe_pdl(q.device, tuning.pdl, launch)
     return (out, lse) if return_lse else out
 
 
-def _merge_chunk(splits: int, heads: int, block_d: int, fixed: bool, per_thread: int) -> int:
+def _launch_maybe_pdl(device: torch.device, want: bool, launch: Callable[..., None]) -> None:
+    """``launch(pdl=...)``: with programmatic dependent launch where ``want``ed and ``device``
+    supports it (``pdl_wait``, probed once per device). A Triton whose launcher refuses PDL
+    fails the first such launch: warn, remember the device in ``_PDL_REFUSED``, and launch
+    plainly, there and from then on."""
+    pdl = want and pdl_wait(device) and device not in _PDL_REFUSED
+    if not pdl:
+        launch(pdl=False)
+        return
+    try:
+        launch(pdl=True)
+    except Exception as e:
+        warnings.warn(
+            f"decode: no programmatic dependent launch ({e}); plain launches", stacklevel=3
+        )
+        _PDL_REFUSED.add(device)
+        launch(pdl=False)
+
+
+def _merge_chunk(heads: int, block_d: int, fixed: bool, per_thread: int) -> int:
     """Splits merged per step: as many as keep ``per_thread`` fp32 partials per thread (4 warps;
-    the fused merge takes that many whatever ``splits`` is, so one compiled kernel serves every
+    the merge takes that many whatever the split count is, so one compiled kernel serves every
     split count), or in split_size mode a number that does not depend on the split count
     (``_FIXED_CHUNK``), so that the merge order is fixed."""
     fit = max(1, triton.next_power_of_2(per_thread * 128 // (heads * block_d) + 1) // 2)
@@ -542,25 +525,25 @@ def _merge_chunk(splits: int, heads: int, block_d: int, fixed: bool, per_thread:
 
 
 def _merge_per_thread(per_sm: int, num_warps: int) -> int:
-    """Partials per thread in one fused merge step: 128 (160 registers, sm_90, Triton 3.6)
-    where the registers of ``per_sm`` resident programs allow it, else 64 (96 registers, the
-    main loop's own count): at (64, 4, 3) the 3 programs that fit in shared memory can have
-    170 registers per thread, so a merge of 32 splits x 4 heads takes one round trip."""
+    """Partials per thread in one merge step: 128 (160 registers, sm_90, Triton 3.6) where the
+    registers of ``per_sm`` resident programs allow it, else 64 (96 registers, the main loop's
+    own count): at (64, 4, 3) the 3 programs that fit in shared memory can have 170 registers
+    per thread, so a merge of 32 splits x 4 heads takes one round trip."""
     regs = 65536 // (per_sm * num_warps * 32)
     return 128 if regs >= 168 else 64
 
 
 def _launch(
     q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse, counters,
-    scale, splits, min_split, tiles, return_lse, fixed, fused, pdl,
+    scale, plan, per_sm, return_lse, fixed, chain, *, pdl,
 ):  # fmt: skip
-    """Stage 1 (merging in its last program per (sequence, KV head) when ``fused``), then with
-    several unfused splits the combine; launched early (PDL) when ``pdl``."""
+    """Stage 1, merging in its last program per (sequence, KV head); launched early (PDL) when
+    ``pdl``, and then letting the next kernel launch early too when ``chain``."""
     bsz, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
-    block_n, num_warps, num_stages = tiles
+    block_n, num_warps, num_stages = plan.tiles
     group = hq // hkv
-    direct = splits == 1
+    direct = plan.splits == 1
     if direct:
         sp = (out.stride(0), out.stride(1), 0)
         spl = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
@@ -569,38 +552,22 @@ def _launch(
     sl = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
     block_d = triton.next_power_of_2(d)
     merge_h = triton.next_power_of_2(group)
-    fin_lse = lse if return_lse else part_lse
-    per_thread = _merge_per_thread(programs_per_sm(tiles, d, q.element_size()), num_warps)
-    merge_s = _merge_chunk(splits, merge_h, block_d, fixed, per_thread)
-    stage1_extra = {"launch_pdl": True} if pdl and _PDL_STAGE1 else {}
-    _decode_split_kernel[(bsz, hkv, splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, fin_lse, counters,
-        scale * _LOG2E, splits, min_split,
+    merge_s = _merge_chunk(merge_h, block_d, fixed, _merge_per_thread(per_sm, num_warps))
+    extra = {"launch_pdl": True} if pdl else {}
+    _decode_split_kernel[(bsz, hkv, plan.splits)](
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out,
+        lse if return_lse else part_lse, counters,
+        scale * _LOG2E, plan.splits, plan.min_split,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *sp, *spl, out.stride(0), out.stride(1), *sl,
-        GROUP=group, HEAD_DIM=d, PAGE=page, DIRECT=direct, FUSED=fused, STORE_LSE=return_lse,
-        PDL=pdl and not direct and not fused, PDL_WAIT=pdl and _PDL_STAGE1,
+        GROUP=group, HEAD_DIM=d, PAGE=page, DIRECT=direct, STORE_LSE=return_lse,
+        PDL_WAIT=pdl, CHAIN=pdl and chain,  # pdl: the device has gdc_wait (pdl_chain's test)
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_CACHE=_KV_LOADS[0], KV_EVICT=_KV_LOADS[1], V_LATE=_KV_LOADS[2], **_LOOP,
-        CHAIN=pdl and _PDL_STAGE1 and pdl_chain(q.device), CHAIN_LATE=_CHAIN_LATE,
-        num_warps=num_warps, num_stages=num_stages, **stage1_extra,
-    )  # fmt: skip
-    if direct or fused:
-        return
-    chunk = _merge_chunk(splits, 1, block_d, fixed, 64)
-    chunk = chunk if fixed else min(chunk, triton.next_power_of_2(splits))
-    extra = {"launch_pdl": True} if pdl else {}
-    _decode_combine_kernel[(bsz, hq)](
-        part_out, part_lse, out, fin_lse,
-        *part_out.stride()[:3], *part_lse.stride()[:2],
-        out.stride(0), out.stride(1), *sl,
-        splits,
-        HEAD_DIM=d, STORE_LSE=return_lse, USE_PDL=pdl, BLOCK_S=chunk, BLOCK_D=block_d,
-        num_warps=8 if chunk * block_d >= 8192 else 4, **extra,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
 
 

@@ -215,11 +215,14 @@ def linear_small_m(
     out: torch.Tensor | None = None,  # [M, N], rows contiguous
     *,
     config: tuple[int, int, int, int, int] | None = None,
+    chain: bool = True,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
     ``config`` = (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) overrides ``gemv_config``
     (SPLIT_K is capped at the number of K tiles, and lowered so that no split is empty).
+    ``chain``: join the decode layer's PDL chain where the device supports it
+    (``kernels.common.pdl_chain``).
     """
     _check(x, weight, bias)
     m, k = x.shape
@@ -249,7 +252,7 @@ def linear_small_m(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         MERGE_S=min(triton.next_power_of_2(splits), 8 if use_dot else 16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, **pdl_kwargs(x.device),
+        num_warps=num_warps, **pdl_kwargs(x.device, chain),
     )  # fmt: skip
     return out
 
@@ -258,9 +261,12 @@ def linear(
     x: torch.Tensor,  # [T, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    chain: bool = True,
 ) -> torch.Tensor:  # [T, N]
     """``F.linear`` for the Triton backend: ``linear_small_m`` on CUDA at decode batch sizes
-    (1 <= T <= MAX_M, contiguous weight and rows), cuBLAS otherwise."""
+    (1 <= T <= MAX_M, contiguous weight and rows, taking ``chain`` as it does), cuBLAS
+    otherwise."""
     if (
         x.is_cuda
         and 1 <= x.shape[0] <= MAX_M
@@ -268,5 +274,5 @@ def linear(
         and x.stride(1) == 1
         and weight.is_contiguous()
     ):
-        return linear_small_m(x, weight, bias)
+        return linear_small_m(x, weight, bias, chain=chain)
     return torch.nn.functional.linear(x, weight, bias)

@@ -49,7 +49,7 @@ def _rms_norm_kernel(
     tl.store(Out + row * stride_o + offs, (w * y).to(Out.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out, res_out) -> None:
+def _launch(x, residual, weight, eps, out, res_out, chain) -> None:
     t, h = x.shape
     if t == 0:
         return
@@ -60,7 +60,7 @@ def _launch(x, residual, weight, eps, out, res_out) -> None:
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
         res_out.stride(0) if has_res else 0, eps,
         H=h, HAS_RES=has_res, BLOCK=block, num_warps=max(1, min(16, block // 512)),
-        **pdl_kwargs(x.device),
+        **pdl_kwargs(x.device, chain),
     )  # fmt: skip
 
 
@@ -76,11 +76,14 @@ def rms_norm(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    *,
+    chain: bool = True,
 ) -> torch.Tensor:  # [T, H], in the dtype ``weight * x`` has in torch
-    """``kernels.reference.rms_norm`` in one kernel."""
+    """``kernels.reference.rms_norm`` in one kernel; ``chain``: join the decode layer's PDL
+    chain where the device supports it (``kernels.common.pdl_chain``)."""
     _check(x, weight)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _launch(x, None, weight, eps, out, None)
+    _launch(x, None, weight, eps, out, None, chain)
     return out
 
 
@@ -89,8 +92,11 @@ def add_rms_norm(
     residual: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    *,
+    chain: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + x), residual + x
-    """``kernels.reference.add_rms_norm`` in one kernel."""
+    """``kernels.reference.add_rms_norm`` in one kernel; ``chain``: join the decode layer's PDL
+    chain where the device supports it (``kernels.common.pdl_chain``)."""
     _check(x, weight)
     if residual.shape != x.shape or residual.stride(1) != 1:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
@@ -98,5 +104,5 @@ def add_rms_norm(
                           device=x.device)  # fmt: skip
     dt = torch.promote_types(res_out.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=dt, device=x.device)
-    _launch(x, residual, weight, eps, out, res_out)
+    _launch(x, residual, weight, eps, out, res_out, chain)
     return out, res_out

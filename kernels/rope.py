@@ -104,8 +104,11 @@ def rope_write_kv(
     slot_mapping: torch.Tensor,  # [T] int64; -1 marks a padding token that is not stored
     num_heads: int,
     num_kv_heads: int,
+    *,
+    chain: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """``kernels.reference.rope_write_kv`` in one kernel (see the module doc)."""
+    """``kernels.reference.rope_write_kv`` in one kernel (see the module doc); ``chain``: join
+    the decode layer's PDL chain where the device supports it (``kernels.common.pdl_chain``)."""
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1:
@@ -128,7 +131,7 @@ def rope_write_kv(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        PDL=pdl_trigger(qkv.device), **pdl_kwargs(qkv.device),
+        PDL=pdl_trigger(qkv.device), **pdl_kwargs(qkv.device, chain),
         num_warps=4 if num_heads * d >= 2048 else 2,
         enable_fp_fusion=False,  # a fused multiply-add would skip a rounding torch does
     )  # fmt: skip

@@ -67,6 +67,7 @@ def test_generate_chat_on_the_default_model():
         (["generate", "hi", "--block-size", "3", *TINY], 2, "power of two"),
         (["generate", "hi", "--attention-backend", "magic", *TINY], 2, "invalid choice"),
         (["generate", "hi", "--device", "tpu", *TINY], 2, "device"),
+        (["generate", "hi", "--device", "cpu", "--pdl-chain", *TINY], 2, "pdl_chain needs"),
         (["generate", "hi", "--model", "/no/such/model.gguf"], 1, "cannot load the model"),
         (["generate", "", *TINY], 1, "empty"),
         (["generate", "--chat", "hi", *TINY], 1, "no chat template"),
@@ -130,3 +131,18 @@ def test_async_scheduling_flag_and_its_default(flag, device, expected):
 
     args = build_parser().parse_args(["generate", "hi", *TINY, "--device", device, *flag])
     assert engine_config_from_args(args).async_scheduling is expected
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [([], False), (["--attention-backend", "triton"], True),
+     (["--attention-backend", "triton", "--no-pdl-chain"], False), (["--no-pdl-chain"], False)],
+)  # fmt: skip
+def test_pdl_chain_flag_and_its_default(flag, expected):
+    """On by default with the triton backend (the kernels join only on sm_90+); the flag
+    turns it off (on the torch backend, asking for it is an error: see the bad arguments)."""
+    from flashserve.cli.args import engine_config_from_args
+    from flashserve.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", *TINY, "--device", "cpu", *flag])
+    assert engine_config_from_args(args).pdl_chain is expected

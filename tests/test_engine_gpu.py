@@ -140,17 +140,15 @@ def test_async_scheduling_equals_the_plain_engine_under_cuda_graphs():
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
-def test_pdl_chain_gives_the_same_tokens(prompts, monkeypatch, enforce_eager):
+def test_pdl_chain_gives_the_same_tokens(prompts, enforce_eager):
     """Every decode-layer kernel launched early and waiting in-kernel for the one before it
-    (kernels.common.PDL_CHAIN): the same greedy tokens as plain launches, bf16, twice over
+    (EngineConfig.pdl_chain): the same greedy tokens as plain launches, bf16, twice over
     (a missing wait would be a race, and races rarely repeat exactly)."""
     from kernels import common
 
-    if not common.pdl_trigger(torch.device("cuda")):
+    if not common.pdl_chain(torch.device("cuda"), True):
         pytest.skip("programmatic dependent launch needs sm_90+")
-    monkeypatch.setattr(common, "PDL_CHAIN", False)
-    plain = _generate(prompts, enforce_eager=enforce_eager, max_num_seqs=8)
-    monkeypatch.setattr(common, "PDL_CHAIN", True)
-    assert common.pdl_chain(torch.device("cuda"))
+    plain = _generate(prompts, enforce_eager=enforce_eager, max_num_seqs=8, pdl_chain=False)
     for _ in range(2):
-        assert _generate(prompts, enforce_eager=enforce_eager, max_num_seqs=8) == plain
+        got = _generate(prompts, enforce_eager=enforce_eager, max_num_seqs=8, pdl_chain=True)
+        assert got == plain

@@ -21,8 +21,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable on this 
 from tensor_checks import assert_close  # noqa: E402
 
 from kernels import reference  # noqa: E402
-from kernels.decode import decode_attention  # noqa: E402
-from kernels.kv_write import write_kv  # noqa: E402
+from kernels.decode import DecodeTuning, decode_attention  # noqa: E402
 from kernels.prefill import prefill_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,24 +106,6 @@ def cu_of(qlens):
                         device=DEVICE)  # fmt: skip
 
 
-# ---------------------------------------------------------------- write_kv
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_write_kv_skips_padding_slots(dtype):
-    t, hkv, d, page, nblk = 37, 3, 64, 16, 6
-    qkv = torch.randn(t, 2 * hkv + 5, d, device=DEVICE).to(dtype)  # k, v as strided slices
-    k, v = qkv[:, :hkv], qkv[:, hkv + 5 :]
-    slots = torch.randperm(nblk * page, device=DEVICE)[:t]
-    slots[torch.tensor([0, 5, 36])] = -1
-    kc = torch.randn(nblk, page, hkv, d, device=DEVICE).to(dtype)
-    vc = torch.randn_like(kc)
-    kr, vr = kc.clone(), vc.clone()
-    write_kv(k, v, kc, vc, slots)
-    reference.write_kv(k, v, kr, vr, slots)
-    assert torch.equal(kc, kr) and torch.equal(vc, vr)
-
-
 # ---------------------------------------------------------------- decode
 
 DECODE_CASES = [  # (dtype, hq, hkv, d, lens, page)
@@ -164,50 +145,132 @@ def test_decode_split_vs_no_split(dtype):
     assert_close(lse1, ref_lse, LSE_TOL[dtype], "decode lse, one split")
 
 
-@pytest.mark.parametrize(
-    "loop",
-    [{"PAGE_VEC": False, "SPLIT_TAIL": False}, {"PAGE_VEC": False, "SPLIT_TAIL": True},
-     {"PAGE_VEC": True, "SPLIT_TAIL": True}],
-    ids=["entry-per-token", "split-tail", "both"],
-)  # fmt: skip
 @pytest.mark.parametrize("d, page", [(64, 16), (96, 16), (64, 128)])
-def test_decode_loop_variants_match_the_reference(monkeypatch, loop, d, page):
-    """The tuning variants of the KV loop (block-table entries once per page; whole tiles
-    unmasked and the partial one apart): same results as the reference, at lengths that end
-    inside a page, inside a tile, on a tile edge, with empty splits and a length of 1."""
-    from kernels import decode
-
-    monkeypatch.setattr(decode, "_LOOP", loop)
+def test_decode_at_page_and_tile_edges(d, page):
+    """Lengths that end inside a page, inside a tile, on a tile edge, with empty splits and a
+    length of 1; pages shorter and longer than the KV tile (entries loaded once per page)."""
     lens = [1, 17, 64, 128, 1000, 333]
     kv = Paged(lens, 2, d, page, torch.float16)
     q = torch.randn(len(lens), 8, d, device=DEVICE).half()
     ref_out, ref_lse = decode_ref(q, kv, d**-0.5)
     for kw in ({"num_splits": 1}, {"num_splits": 6}, {"split_size": 192},
-               {"num_splits": 3, "config": (128, 4, 2)}):  # fmt: skip
+               {"num_splits": 3, "tuning": DecodeTuning(tiles=(128, 4, 2))}):  # fmt: skip
         out, lse = run_decode(q, kv, d**-0.5, **kw)
-        assert_close(out, ref_out, TOL[torch.float16], f"decode out {loop} {kw}")
-        assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"decode lse {loop} {kw}")
+        assert_close(out, ref_out, TOL[torch.float16], f"decode out {kw}")
+        assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"decode lse {kw}")
 
 
-def test_decode_heuristic_runs_short_splits_with_one_stage_fewer(monkeypatch):
-    """Splits of at most _SHORT_SPLIT_TOKENS get (BLOCK_N, warps, stages - 1), longer ones the
-    default; an explicit config is never changed. The result is the same (GPU test)."""
+TUNINGS = [  # each changes what the split heuristic or the launch does
+    DecodeTuning(tiles=(32, 4, 2)),
+    DecodeTuning(programs_per_sm=1, max_splits=3),
+    DecodeTuning(min_split_tokens=64, short_split_tokens=0),
+    DecodeTuning(pdl=False),
+]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=str)
+def test_decode_tunings_match_the_reference(tuning):
+    lens = [1, 300, 1000, 65]
+    kv = Paged(lens, 2, 64, 16, torch.float16)
+    q = torch.randn(len(lens), 8, 64, device=DEVICE).half()
+    ref_out, ref_lse = decode_ref(q, kv, 0.125)
+    for max_len in (1000, 4096):  # the heuristic's split count and minimum split length
+        out = torch.full_like(q, float("nan"))
+        out, lse = decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.125,
+                                    max_seq_len=max_len, out=out, return_lse=True,
+                                    tuning=tuning)  # fmt: skip
+        assert_close(out, ref_out, TOL[torch.float16], f"{tuning} max_seq_len {max_len}")
+        assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"lse {tuning} {max_len}")
+
+
+def test_decode_plan_runs_short_splits_with_one_stage_fewer():
+    """Splits of at most ``short_split_tokens`` get (BLOCK_N, warps, stages - 1), longer ones
+    the default; explicit tiles are never changed. The result is the same (GPU test)."""
+    from kernels.decode import decode_config, num_splits_for, plan_splits
+
+    base = decode_config(64)
+    for max_len, sms in ((4096, 132), (8192, 132), (65536, 132), (65536, 1)):
+        plan = plan_splits(1, 2, 64, 2, max_len, sms)
+        assert plan.splits == num_splits_for(1, 2, max_len, sms, base[0], 2), (max_len, sms)
+        short = -(-max_len // plan.splits) <= DecodeTuning().short_split_tokens
+        assert plan.tiles == ((base[0], base[1], base[2] - 1) if short else base), (max_len, sms)
+    assert plan_splits(1, 2, 64, 2, 4096, 132, DecodeTuning(tiles=base)).tiles == base
+    never = DecodeTuning(short_split_tokens=0)
+    assert plan_splits(1, 2, 64, 2, 4096, 132, never).tiles == base
+
+
+def test_decode_tuning_sizes_the_splits():
+    """Each split-sizing field moves the plan as documented (B=1, 2 KV heads, 132 SMs, head
+    dim 64, fp16)."""
+    from kernels.decode import plan_splits
+
+    def plan(max_len, **fields):
+        return plan_splits(1, 2, 64, 2, max_len, 132, DecodeTuning(**fields))
+
+    default = plan(65536)
+    assert default.splits == 128 and default.min_split == 256  # 2 per SM x 132 / 2 heads
+    assert plan(65536, programs_per_sm=1).splits == 64
+    assert plan(65536, max_splits=16).splits == 16
+    assert plan(4096).splits == 16  # 4K / 256-token splits
+    assert plan(4096, min_split_tokens=512).splits == 8
+    assert plan(4096, min_split_tokens=512).min_split == 512
+    assert plan(4096, min_split_tokens=100).min_split == 128  # whole tiles of 64
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"tiles": (48, 4, 3)}, "tiles"), ({"tiles": (8, 4, 3)}, "tiles"),
+     ({"tiles": (64, 3, 3)}, "tiles"), ({"tiles": (64, 4, 0)}, "tiles"),
+     ({"tiles": (64, 4)}, "tiles"), ({"programs_per_sm": 0}, "programs_per_sm"),
+     ({"min_split_tokens": 0}, "min_split_tokens"), ({"max_splits": 0}, "max_splits"),
+     ({"short_split_tokens": -1}, "short_split_tokens")],
+)  # fmt: skip
+def test_decode_tuning_rejects_what_the_kernel_cannot_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeTuning(**fields)
+
+
+def test_decode_tuning_is_a_frozen_value():
+    """Passed around and compared, never changed in place; tiles given as a list are a tuple."""
+    import dataclasses
+
+    tuning = DecodeTuning(tiles=[64, 4, 3])
+    assert tuning.tiles == (64, 4, 3) and tuning == DecodeTuning(tiles=(64, 4, 3))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tuning.pdl = False
+
+
+def test_decode_remembers_a_refused_pdl_launch(monkeypatch):
+    """A Triton whose launcher refuses PDL: the first launch warns and runs plainly, and later
+    launches on that device go plainly at once; ``pdl=False`` never asks. ``chain=`` reaches
+    the launch."""
     from kernels import decode
 
-    seen = []
-    monkeypatch.setattr(decode, "_launch", lambda *a: seen.append(a[13]))
-    q = torch.randn(1, 8, 64, device=DEVICE).half()
-    kv = Paged([64], 2, 64, 16, torch.float16)
-    base = decode.decode_config(64, 4)
-    for max_len, sms in ((4096, 132), (8192, 132), (65536, 132), (65536, 1)):
-        monkeypatch.setattr(decode, "_num_sms", lambda _device, n=sms: n)
-        decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.125, max_seq_len=max_len)
-        splits = decode.num_splits_for(1, 2, max_len, sms, base[0], 2)
-        short = -(-max_len // splits) <= decode._SHORT_SPLIT_TOKENS
-        assert seen.pop() == ((base[0], base[1], base[2] - 1) if short else base), (max_len, sms)
-    decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.125, max_seq_len=4096,
-                     config=base)  # fmt: skip
-    assert seen.pop() == base
+    monkeypatch.setattr(decode, "pdl_wait", lambda device: True)  # as on sm_90+
+    monkeypatch.setattr(decode, "_PDL_REFUSED", set())
+    real, asked = decode._launch, []
+
+    def launch(*args, pdl):
+        chain = args[-1]
+        asked.append((pdl, chain))
+        if pdl:
+            raise RuntimeError("launch_pdl: unexpected keyword")
+        real(*args, pdl=False)
+
+    monkeypatch.setattr(decode, "_launch", launch)
+    kv = Paged([300, 17], 2, 64, 16, torch.float16)
+    q = torch.randn(2, 4, 64, device=DEVICE).half()
+    ref_out, _ = decode_ref(q, kv, 0.125)
+    with pytest.warns(UserWarning, match="no programmatic dependent launch"):
+        out, _ = run_decode(q, kv, 0.125)
+    assert asked == [(True, True), (False, True)]
+    assert_close(out, ref_out, TOL[torch.float16], "after the refused PDL launch")
+    asked.clear()
+    run_decode(q, kv, 0.125, chain=False)
+    assert asked == [(False, False)]
+    monkeypatch.setattr(decode, "_PDL_REFUSED", set())
+    run_decode(q, kv, 0.125, tuning=DecodeTuning(pdl=False))
+    assert asked == [(False, False), (False, True)]
 
 
 def test_decode_paged_equals_contiguous():
@@ -252,27 +315,18 @@ def test_decode_strided_out_and_empty_sequences():
         assert_close(out[live], ref, TOL[torch.float16], f"decode out, {splits} splits")
 
 
-def test_decode_fused_merge_matches_combine_kernel_and_leaves_counters_zero():
-    """The merge in the last stage-1 program of each (sequence, KV head) against the separate
-    combine kernel; every launch leaves the split counters zeroed for the next (CUDA graphs)."""
+def test_decode_merge_matches_reference_and_leaves_counters_zero():
+    """The merge in the last stage-1 program of each (sequence, KV head); every launch leaves
+    the split counters zeroed for the next (CUDA graphs)."""
     from kernels import decode
 
     kv = Paged([700, 1, 129, 300], 2, 64, 16, torch.float16)
     q = torch.randn(4, 6, 64, device=DEVICE).half()
     ref_out, ref_lse = decode_ref(q, kv, 0.125)
-    runs = {}
-    try:
-        for fused in (True, False):
-            decode._FUSE_COMBINE = fused
-            for splits in (3, 11):
-                out, lse = run_decode(q, kv, 0.125, num_splits=splits)
-                assert_close(out, ref_out, TOL[torch.float16], f"fused={fused} S={splits}")
-                assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"lse fused={fused}")
-                runs[fused, splits] = out
-    finally:
-        decode._FUSE_COMBINE = True
     for splits in (3, 11):
-        assert_close(runs[True, splits], runs[False, splits].double(), 1e-3, "fused vs kernel")
+        out, lse = run_decode(q, kv, 0.125, num_splits=splits)
+        assert_close(out, ref_out, TOL[torch.float16], f"merged out, S={splits}")
+        assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"merged lse, S={splits}")
     counters = decode._COUNTERS[q.device]
     assert not counters.any(), f"split counters left at {counters.nonzero().flatten().tolist()}"
 

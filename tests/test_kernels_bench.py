@@ -30,11 +30,15 @@ def test_decode_grid_times_ours_and_sdpa_in_rounds(tmp_path, capsys):
     assert "| ours µs | GB/s | % |" in table and "| 1 | 0K |" in table
 
 
-def test_loop_sweep_times_every_variant_and_restores_the_default(tmp_path):
-    from kernels import bench, decode
+def test_tuning_sweeps_time_every_variant(tmp_path):
+    """The decode sweeps build DecodeTuning values (no module state to restore): every config
+    and both PDL settings time at the smoke point."""
+    from kernels import bench
 
     out = tmp_path / "sweep.json"
-    bench.main(["--sweep", "loop", "--json", str(out)])
-    got = {r["variant"] for r in json.loads(out.read_text())["sweep"]}
-    assert got == {"SDPA (contiguous)", *bench.LOOP_VARIANTS}
-    assert decode._LOOP == bench.LOOP_VARIANTS["default"][0]
+    bench.main(["--sweep", "decode-config,pdl", "--json", str(out)])
+    res = json.loads(out.read_text())["sweep"]
+    got = {(r["sweep"], str(r["variant"])) for r in res}
+    want = {("decode-config", str(list(c))) for c in bench.DECODE_CONFIGS}
+    assert got == want | {("pdl", "none"), ("pdl", "pdl")}
+    assert all(r["us"] and r["us"] > 0 for r in res), [r for r in res if not r["us"]]

@@ -21,10 +21,10 @@ LSE_TOL = 2e-3
 
 def _lazy():
     from kernels.decode import decode_attention
-    from kernels.kv_write import write_kv
     from kernels.prefill import prefill_attention
+    from kernels.rope import rope_write_kv
 
-    return decode_attention, prefill_attention, write_kv
+    return decode_attention, prefill_attention, rope_write_kv
 
 
 def paged(lens, hkv, d, page, dtype=torch.bfloat16, width=None):
@@ -44,19 +44,28 @@ def paged(lens, hkv, d, page, dtype=torch.bfloat16, width=None):
     return k, v, bt, seq_lens
 
 
-def test_write_kv_bf16():
-    *_, write_kv = _lazy()
-    t, hkv, d, page = 300, 8, 128, 16
-    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+def rope_tables(d, positions=70000):
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    freqs = torch.arange(positions, device="cuda").float()[:, None] * inv[None, :]
+    return freqs.cos().bfloat16(), freqs.sin().bfloat16()
+
+
+def test_rope_write_kv_bf16_llama_shape():
+    """The engine's KV store (RoPE fused with it) at Llama-3-8B heads, 300 tokens, every 7th
+    a padding slot: the same bits as the reference in the cache and the queries."""
+    *_, rope_write_kv = _lazy()
+    t, hq, hkv, d, page = 300, 32, 8, 128, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 70000, (t,), device="cuda")
+    cos, sin = rope_tables(d)
     slots = torch.randperm(64 * page, device="cuda")[:t]
     slots[::7] = -1
     kc = torch.randn(64, page, hkv, d, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     kr, vr = kc.clone(), vc.clone()
-    write_kv(k, v, kc, vc, slots)
-    reference.write_kv(k, v, kr, vr, slots)
-    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    q = rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, hq, hkv)
+    q_ref = reference.rope_write_kv(qkv, pos, cos, sin, kr, vr, slots, hq, hkv)
+    assert torch.equal(q, q_ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
 
 
 @pytest.mark.parametrize(
@@ -117,31 +126,30 @@ def test_decode_fixed_split_batch_invariant_bf16():
     assert torch.equal(full[2:3], alone)
 
 
-@pytest.mark.parametrize("page", [16, 64])
-@pytest.mark.parametrize("page_vec", [False, True])
-@pytest.mark.parametrize("split_tail", [False, True])
-def test_decode_loop_variants_bf16(monkeypatch, page_vec, split_tail, page):
-    """The KV-loop tuning variants (kernels.bench --sweep loop) on the GPU, bf16, Llama-3-8B
-    heads, against the reference; lengths ending inside a page, inside a tile, on an edge."""
-    from kernels import decode
+@pytest.mark.parametrize("page", [16, 64, 128])
+def test_decode_page_and_tile_edges_bf16(page):
+    """bf16, Llama-3-8B heads, against the reference: lengths ending inside a page, inside a
+    tile, on an edge; pages shorter, as long as and longer than the KV tile."""
+    from kernels.decode import DecodeTuning, decode_attention
 
-    monkeypatch.setattr(decode, "_LOOP", {"PAGE_VEC": page_vec, "SPLIT_TAIL": split_tail})
     k, v, bt, sl = paged([4096, 1000, 17, 64, 3001], 8, 128, page)
     q = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)
     ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088)
-    for kw in ({}, {"num_splits": 1}, {"split_size": 512}, {"config": (128, 4, 2)}):
-        out = decode.decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, **kw)
-        assert_close(out, ref, BF16_TOL, f"decode {page=} {page_vec=} {split_tail=} {kw}")
+    for kw in ({}, {"num_splits": 1}, {"split_size": 512},
+               {"tuning": DecodeTuning(tiles=(128, 4, 2))}):  # fmt: skip
+        out = decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, **kw)
+        assert_close(out, ref, BF16_TOL, f"decode {page=} {kw}")
 
 
 def test_decode_stage_count_does_not_change_the_result():
     """The heuristic runs short splits with one pipeline stage fewer: bit-identical output and
     LSE to the longer pipeline (only when loads are issued changes), and right."""
-    decode_attention, *_ = _lazy()
+    from kernels.decode import DecodeTuning, decode_attention
+
     k, v, bt, sl = paged([4096, 1000, 3001], 8, 128, 16)
     q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
     runs = [decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, return_lse=True,
-                             num_splits=8, config=(64, 4, stages))
+                             num_splits=8, tuning=DecodeTuning(tiles=(64, 4, stages)))
             for stages in (2, 3, 4)]  # fmt: skip
     for out, lse in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
@@ -187,47 +195,50 @@ def test_prefill_llama3_8b_4k_chunked():
 
 
 def test_decode_pdl_matches_plain_launches():
-    """The combine launched early (PDL) waits for stage 1: same bits as plain launches."""
-    from kernels import decode
+    """Stage 1 launched early (PDL, and in the chain) waits for the kernel before it: the
+    same bits as plain launches, and no warning (the device's Triton takes PDL launches)."""
+    import warnings
+
+    from kernels.decode import DecodeTuning, decode_attention
 
     k, v, bt, sl = paged([4096, 100, 70000, 1], 8, 128, 16)
     q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
     runs = {}
-    for on in (True, False):
-        decode._USE_PDL = on
-        decode._pdl_supported.cache_clear()
-        runs[on] = [decode.decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=70000)
-                    for _ in range(20)]  # fmt: skip
-    decode._USE_PDL = True
-    decode._pdl_supported.cache_clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="decode: no programmatic dependent launch")
+        for on in (True, False):
+            tuning = DecodeTuning(pdl=on)
+            runs[on] = [decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=70000,
+                                         tuning=tuning) for _ in range(20)]  # fmt: skip
     for out in runs[True] + runs[False][1:]:
         assert torch.equal(out, runs[False][0])
 
 
-def test_write_kv_then_decode_chain():
-    """The engine's order, write_kv then decode (stage 1 may start early under PDL and must
-    wait for the write): every step sees the token it just wrote."""
-    decode_attention, _, write_kv = _lazy()
+@pytest.mark.parametrize("chain", [True, False])
+def test_rope_write_kv_then_decode(chain):
+    """The engine's order, rope_write_kv then decode (stage 1 may start early under PDL and
+    must wait for the store): every step sees the token it just wrote."""
+    decode_attention, _, rope_write_kv = _lazy()
     bsz, hq, hkv, d, page = 3, 32, 8, 128, 16
     lens = [1000, 17, 5000]
     k, v, bt, sl = paged([n + 12 for n in lens], hkv, d, page)
     sl.copy_(torch.tensor(lens, dtype=torch.int32))
+    cos, sin = rope_tables(d)
     for _ in range(12):
         pos = sl.long()  # the new token's position
         slots = bt.gather(1, (pos // page)[:, None]).squeeze(1).long() * page + pos % page
-        k_new = torch.randn(bsz, hkv, d, device="cuda", dtype=torch.bfloat16) * 4
-        v_new = torch.randn_like(k_new) * 4
+        qkv = torch.randn(bsz, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16) * 4
         sl += 1
-        q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
-        write_kv(k_new, v_new, k, v, slots)  # directly followed by decode's stage 1
-        out = decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=8192)
+        # directly followed by decode's stage 1
+        q = rope_write_kv(qkv, pos, cos, sin, k, v, slots, hq, hkv, chain=chain)
+        out = decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=8192, chain=chain)
         ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5)
-        assert_close(out, ref, BF16_TOL, f"chain at {sl.tolist()}")
+        assert_close(out, ref, BF16_TOL, f"chain={chain} at {sl.tolist()}")
 
 
 def test_decode_fused_merge_is_race_free():
     """Many splits per (sequence, KV head), so many programs race for the merge: 30 launches
-    give the same bits, match the separate combine kernel, and leave the counters zeroed."""
+    give the same bits, match the reference, and leave the counters zeroed."""
     from kernels import decode
 
     decode_attention, *_ = _lazy()
@@ -240,12 +251,5 @@ def test_decode_fused_merge_is_race_free():
         for out in outs[1:]:
             assert torch.equal(out, outs[0]), f"{splits} splits: results differ between runs"
         assert_close(outs[0], ref, BF16_TOL, f"fused merge, {splits} splits")
-        decode._FUSE_COMBINE = False
-        try:
-            two = decode_attention(q, k, v, sl, bt, 128**-0.5, max_seq_len=65536,
-                                   num_splits=splits)  # fmt: skip
-        finally:
-            decode._FUSE_COMBINE = True
-        assert_close(outs[0], two, 1e-3, f"fused vs combine kernel, {splits} splits")
     torch.cuda.synchronize()
     assert not decode._COUNTERS[q.device].any()

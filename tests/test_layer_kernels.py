@@ -124,3 +124,46 @@ def test_rope_write_kv_rejects_mismatched_shapes():
         rope_write_kv(qkv, pos, cos, cos, cache, cache, slots, 2, 1)
     with pytest.raises(ValueError, match="cos"):
         rope_write_kv(qkv, pos, cos[:, :16], cos[:, :16], cache, cache, slots, 1, 1)
+
+
+def test_pdl_chain_is_asked_for_and_needs_the_device(monkeypatch):
+    """A kernel joins the PDL chain when its launcher is asked to (``chain=``) and the device
+    can (sm_90+): no environment switch."""
+    from kernels import common
+
+    cpu = torch.device("cpu")
+    assert common.pdl_kwargs(cpu, True) == {"CHAIN": False}  # no PDL here
+    monkeypatch.setattr(common, "pdl_wait", lambda device: True)  # as on sm_90+
+    assert common.pdl_kwargs(cpu, True) == {"CHAIN": True, "launch_pdl": True}
+    assert common.pdl_kwargs(cpu, False) == {"CHAIN": False}
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
+    """``load_backend("triton", pdl_chain=...)`` (EngineConfig.pdl_chain): each chained
+    operation that runs here launches with that switch (``linear`` runs its kernel on CUDA
+    only; decode: tests/test_kernels.py)."""
+    import kernels.activation
+    import kernels.norm
+    import kernels.rope
+    from flashserve.models.attention import load_backend
+
+    seen = []
+
+    def record(device, asked):
+        seen.append(asked)
+        return {"CHAIN": False}
+
+    for module in (kernels.activation, kernels.norm, kernels.rope):
+        monkeypatch.setattr(module, "pdl_kwargs", record)
+    ops = load_backend("triton", pdl_chain=chain)
+    x, w = torch.randn(2, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    ops.rms_norm(x, w, 1e-6)
+    ops.add_rms_norm(x, x, w, 1e-6)
+    ops.silu_and_mul(x)
+    cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    cos = torch.ones(10, 8, device=DEVICE)
+    pos = slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    ops.rope_write_kv(torch.randn(2, 48, device=DEVICE), pos, cos, cos, cache, cache.clone(),
+                      slots, 1, 1)  # fmt: skip
+    assert seen == [chain] * 4

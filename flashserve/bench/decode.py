@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
-            "pdl_chain": pdl_chain(device),  # FLASHSERVE_PDL_CHAIN (kernels/common.py)
+            "pdl_chain": pdl_chain(device, config.pdl_chain),  # in effect: sm_90+ only
             "copy_bandwidth_gbs": bandwidth / 1e9,
             "weight_bytes_read": weights,
             "kv_bytes_per_token": kv_per_token,

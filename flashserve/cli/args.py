@@ -61,6 +61,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "before it, hiding the host's work between steps (steps with penalties or logprobs "
         "run plainly); default: on with CUDA",
     )
+    g.add_argument(
+        "--pdl-chain",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each of a decode layer's Triton kernels early, waiting in-kernel for the "
+        "one before it (programmatic dependent launch, sm_90+): 2-3%% faster decode at batch "
+        "1; default: on with the triton backend",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -76,6 +76,7 @@ class LLMEngine:
             self.config.torch_dtype,
             self.config.attention_backend,
             self.config.seed,
+            pdl_chain=self.config.pdl_chain,
         )
         self.model_name = loaded.name
         self.model_config = loaded.config

@@ -47,10 +47,12 @@ def load_model(
     dtype: torch.dtype,
     attention_backend: str,
     seed: int = 0,
+    pdl_chain: bool = True,
 ) -> LoadedModel:
     """The model ``spec`` names, on ``device`` in ``dtype``, attending with the named backend
-    (``torch`` or ``triton``); ``seed`` seeds dummy weights."""
-    backend = load_backend(attention_backend)
+    (``torch`` or ``triton``, its kernels in the PDL chain if ``pdl_chain``); ``seed`` seeds
+    dummy weights."""
+    backend = load_backend(attention_backend, pdl_chain)
     if spec is None:
         return _load_gguf(default_model_path(), device, dtype, backend)
     if spec.startswith("dummy:"):

@@ -9,6 +9,7 @@ step's K/V have been written into it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -43,11 +44,12 @@ BACKEND_OPS = (
 )
 
 
-def load_backend(name: str) -> SimpleNamespace:
+def load_backend(name: str, pdl_chain: bool = True) -> SimpleNamespace:
     """A backend's operations (``BACKEND_OPS``): ``torch`` is ``kernels.reference``; ``triton``
     runs attention on its kernels, fuses the small operations around it (RMSNorm with the
     residual add, RoPE with the KV store, SiLU with the multiply), one launch each, and runs
-    linear layers at decode batch sizes on its weight-streaming kernel."""
+    linear layers at decode batch sizes on its weight-streaming kernel. ``pdl_chain``: the
+    triton kernels of a decode layer join the PDL chain (``EngineConfig.pdl_chain``)."""
     if name == "torch":
         from kernels import reference
 
@@ -60,13 +62,14 @@ def load_backend(name: str) -> SimpleNamespace:
         from kernels.prefill import prefill_attention
         from kernels.rope import rope_write_kv
 
+        chain = {"chain": pdl_chain}
         return SimpleNamespace(
-            linear=linear,
-            rms_norm=rms_norm,
-            add_rms_norm=add_rms_norm,
-            silu_and_mul=silu_and_mul,
-            rope_write_kv=rope_write_kv,
-            decode_attention=decode_attention,
+            linear=partial(linear, **chain),
+            rms_norm=partial(rms_norm, **chain),
+            add_rms_norm=partial(add_rms_norm, **chain),
+            silu_and_mul=partial(silu_and_mul, **chain),
+            rope_write_kv=partial(rope_write_kv, **chain),
+            decode_attention=partial(decode_attention, **chain),
             prefill_attention=prefill_attention,
         )
     raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
