@@ -16,6 +16,7 @@ or by graph replay. Work per sequence is O(tokens computed + blocks), not O(cont
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from flashserve.engine.sequence import Sequence
 
@@ -76,7 +77,7 @@ class StepPlan:
     def batch_size(self) -> int:
         return len(self.q_lens)
 
-    @property
+    @cached_property
     def table_width(self) -> int:
         """Columns of the padded block tables: the longest table (at least 1)."""
         return max(1, max(map(len, self.block_tables), default=0))
