@@ -111,7 +111,8 @@ class Staging:
 class Upload:
     """One step's host arrays: ``add`` and ``put`` write them into the pinned buffer now and
     hand back device tensors that hold them once ``send`` has queued the one copy. Kernels
-    that read those tensors must be queued after ``send`` (on the same stream)."""
+    that read those tensors must be queued (on the same stream) after ``send`` and before the
+    staging's next upload is sent, whose copy reuses the same device bytes."""
 
     def __init__(self, staging: Staging):
         self._staging = staging

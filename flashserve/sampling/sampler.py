@@ -152,8 +152,9 @@ class Sampler:
                 upload: Upload | None = None) -> SamplingBatch:  # fmt: skip
         """Host -> device: per-row parameters and, if used, penalty histories, added to
         ``upload`` (the step's one copy; the batch is usable once it is sent) or, without one,
-        sent in a copy of their own. ``ahead``: each row's last token is still on the device (a
-        step queued ahead), so the token sampled is one further than ``num_tokens`` says."""
+        sent in a copy of their own (valid until the next ``prepare`` is sent, as any upload's
+        tensors). ``ahead``: each row's last token is still on the device (a step queued
+        ahead), so the token sampled is one further than ``num_tokens`` says."""
         up = upload if upload is not None else self._own_upload()
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         floats = ints = rows = None
