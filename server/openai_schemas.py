@@ -1,18 +1,19 @@
 """Request and response bodies of the OpenAI API (``/v1/completions``, ``/v1/chat/completions``).
 
-Pydantic checks the JSON types strictly (no "1" for a number); ``sampling_params`` checks the
-ranges with OpenAI's parameter names and maps the request onto ``SamplingParams``. A range
-error is a ``ParamError``, which names the parameter for the error body's ``param``.
+Pydantic checks the JSON types strictly (no "1" for a number); ``check`` applies the rules of
+OpenAI's API (choices, stop strings per request, unsupported fields) and then the engine's
+ranges, which ``SamplingParams`` alone checks: ``sampling_params`` maps the request onto it and
+turns its ``InvalidParam`` into a ``ParamError`` that names the request's field (``max_tokens``
+for the engine's ``max_new_tokens``), for the error body's ``param``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from flashserve.sampling.params import MAX_LOGPROBS, MAX_TOKENS_LIMIT, SamplingParams
+from flashserve.sampling.params import InvalidParam, SamplingParams
 from server.fields import Text, UnicodeChecked, sent_or, unicode_text
 
 MAX_N = 16  # choices per prompt
@@ -59,30 +60,17 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
 
-    def check_common(self) -> None:
+    def check_common(self, max_tokens: int | None, logprobs: int | None) -> None:
+        """OpenAI's own rules, then the engine's ranges: the parameters of this request's first
+        choice are built once (``max_tokens`` None: the context decides later; 1 stands in)."""
         if not 1 <= self.n <= MAX_N:
             raise ParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.logit_bias:
             raise ParamError("logit_bias", "logit_bias is not supported by this server")
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ParamError(name, f"{name} must be a finite number, got {value}")
-        if self.temperature is not None and self.temperature < 0:
-            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None and not -2 <= value <= 2:
-                raise ParamError(name, f"{name} must be between -2 and 2, got {value}")
         stops = self.stop_list
         if len(stops) > MAX_STOP:
             raise ParamError("stop", f"stop takes at most {MAX_STOP} strings, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ParamError("stop", "stop strings must not be empty")
-        if self.seed is not None and not 0 <= self.seed < SEED_MOD:
-            raise ParamError("seed", f"seed must be in [0, 2**63), got {self.seed}")
+        self.sampling_params(sent_or(max_tokens, 1), logprobs, 0)
 
     @property
     def stop_list(self) -> list[str]:
@@ -94,33 +82,46 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def field_names(self) -> dict[str, str]:
+        """This request's field for each engine parameter whose name differs."""
+        return {"max_new_tokens": "max_tokens"}
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        """The engine's parameters for choice ``choice`` (its seed is ``seed + choice``)."""
-        seed = None if self.seed is None else (self.seed + choice) % SEED_MOD
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=sent_or(self.temperature, 1.0),
-            top_k=sent_or(self.top_k, -1),
-            top_p=sent_or(self.top_p, 1.0),
-            min_p=sent_or(self.min_p, 0.0),
-            presence_penalty=sent_or(self.presence_penalty, 0.0),
-            frequency_penalty=sent_or(self.frequency_penalty, 0.0),
-            repetition_penalty=sent_or(self.repetition_penalty, 1.0),
-            seed=seed,
-            stop=self.stop_list,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-        )
+        """The engine's parameters for choice ``choice`` (its seed is ``seed + choice``); a value
+        out of the engine's range is a ``ParamError`` naming this request's field."""
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=sent_or(self.temperature, 1.0),
+                top_k=sent_or(self.top_k, -1),
+                top_p=sent_or(self.top_p, 1.0),
+                min_p=sent_or(self.min_p, 0.0),
+                presence_penalty=sent_or(self.presence_penalty, 0.0),
+                frequency_penalty=sent_or(self.frequency_penalty, 0.0),
+                repetition_penalty=sent_or(self.repetition_penalty, 1.0),
+                seed=_choice_seed(self.seed, choice),
+                stop=self.stop_list,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except InvalidParam as exc:
+            raise _renamed(exc, self.field_names()) from exc
 
 
-def check_max_tokens(name: str, value: int | None) -> None:
-    if value is not None and not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise ParamError(name, f"{name} must be between 1 and {MAX_TOKENS_LIMIT}, got {value}")
+def _choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice i samples with ``(seed + i) % SEED_MOD``; a seed outside [0, SEED_MOD) goes as
+    it was sent, for ``SamplingParams`` to refuse."""
+    if seed is None or not 0 <= seed < SEED_MOD:
+        return seed
+    return (seed + choice) % SEED_MOD
 
 
-def check_logprobs(name: str, value: int | None) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise ParamError(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+def _renamed(exc: InvalidParam, names: dict[str, str]) -> ParamError:
+    """The engine's error about one of its fields, about the request's field instead."""
+    name, message = names.get(exc.param, exc.param), str(exc)
+    if message.startswith(exc.param):
+        message = name + message[len(exc.param) :]
+    return ParamError(name, message)
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------
@@ -160,9 +161,7 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
     def check(self) -> None:
-        self.check_common()
-        check_max_tokens("max_tokens", self.max_tokens)
-        check_logprobs("logprobs", self.logprobs)
+        self.check_common(sent_or(self.max_tokens, DEFAULT_COMPLETION_TOKENS), self.logprobs)
         if self.best_of not in (None, 1):
             raise ParamError("best_of", "best_of > 1 is not supported by this server")
         if self.suffix:
@@ -217,14 +216,15 @@ class ChatRequest(_SamplingRequest):
     def check(self) -> None:
         if not self.messages:
             raise ParamError("messages", "messages must not be empty")
-        self.check_common()
-        check_max_tokens("max_tokens", self.max_tokens)
-        check_max_tokens("max_completion_tokens", self.max_completion_tokens)
-        check_logprobs("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs set to true")
         if self.tools:
             raise ParamError("tools", "tools are not supported by this server")
+        self.check_common(self.max_new_tokens, self.engine_logprobs)
+
+    def field_names(self) -> dict[str, str]:
+        sent = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"max_new_tokens": sent, "logprobs": "top_logprobs"}
 
     @property
     def engine_logprobs(self) -> int | None:

@@ -1,7 +1,10 @@
 """Request and response bodies of the text-generation-inference (TGI) API.
 
-Pydantic checks the JSON types (strictly: no "1" for a number); ``to_sampling_params`` checks
-the ranges with TGI's rules and messages and maps TGI's parameters onto ``SamplingParams``.
+Pydantic checks the JSON types (strictly: no "1" for a number); ``to_sampling_params`` applies
+the rules of TGI's API with its messages (ranges stricter than the engine's: temperature > 0,
+0 < top_p < 1, top_k > 0; truncate, stop sequences per request, unsupported fields), then maps
+TGI's parameters onto ``SamplingParams``, which checks the engine's ranges (its errors name the
+field; the routes answer them with a 422).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class CompatGenerateRequest(GenerateRequest):
 
 
 def to_sampling_params(p: GenerateParameters) -> SamplingParams:
-    """TGI's checks (same messages), then SamplingParams' own; raises ValueError."""
+    """TGI's checks (same messages), then SamplingParams' own; raises ValueError (``InvalidParam``
+    for the engine's ranges)."""
     _check_tgi_ranges(p)
     if p.best_of not in (None, 1):
         raise ValueError("`best_of` != 1 is not supported by this server")
@@ -90,20 +94,16 @@ def to_sampling_params(p: GenerateParameters) -> SamplingParams:
 
 
 def _check_tgi_ranges(p: GenerateParameters) -> None:
+    """TGI's own rules: where the engine allows more (temperature 0 is greedy, top_p 1 and
+    top_k -1 are off), TGI refuses, and its clients expect these messages."""
     if p.temperature is not None and p.temperature <= 0:
         raise ValueError("`temperature` must be strictly positive")
-    if p.repetition_penalty is not None and p.repetition_penalty <= 0:
-        raise ValueError("`repetition_penalty` must be strictly positive")
-    if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
-        raise ValueError("`frequency_penalty` must be >= -2.0 and <= 2.0")
     if p.top_p is not None and not 0.0 < p.top_p < 1.0:
         raise ValueError("`top_p` must be > 0.0 and < 1.0")
     if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
         raise ValueError("`typical_p` must be > 0.0 and < 1.0")
     if p.top_k is not None and p.top_k <= 0:
         raise ValueError("`top_k` must be strictly positive")
-    if p.max_new_tokens is not None and p.max_new_tokens <= 0:
-        raise ValueError("`max_new_tokens` must be strictly positive")
     if p.truncate is not None and p.truncate <= 0:
         raise ValueError("`truncate` must be strictly positive")
     if len(p.stop) > MAX_STOP_SEQUENCES:

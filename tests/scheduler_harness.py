@@ -44,10 +44,19 @@ class FakeEngine:
         return seq
 
     def step(self) -> SchedulerOutput:
+        out = self._schedule()
+        self._run(out)
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         running_before = self.sched.running
         out = self.sched.schedule()
         self._check_output(out, running_before)
         self._check_pool()
+        return out
+
+    def _run(self, out: SchedulerOutput) -> None:
+        """Compute ``out`` and read its tokens at once."""
         sampled = [s for s in out.seqs if s.samples_this_step]
         for seq in out.seqs:
             self._write_kv(seq)
@@ -63,7 +72,6 @@ class FakeEngine:
                 self.sched.finish(seq, "length")
             self.sched.update(out)
         self.outputs.append(out)
-        return out
 
     def run(self, arrivals: dict[int, list[tuple[int, int]]], max_steps: int = 100_000) -> int:
         """Add ``arrivals[step]`` (prompt length, max new tokens) at each step; run to the end."""
@@ -149,3 +157,138 @@ class FakeEngine:
         for seq in self.sched.running:
             need = self.bm.num_blocks_for(seq.num_computed_tokens + seq.num_scheduled_tokens)
             assert len(seq.block_table) >= need
+
+
+class AsyncFakeEngine(FakeEngine):
+    """Drives the scheduler as the engine does with async scheduling: a step whose rows all
+    decode and sample is queued, and while it runs the look-ahead step after it is planned
+    (``schedule_ahead``) and queued before its tokens are read. The fake device computes a
+    step (writes its KV) when it is queued, in queue order, as the real one does on its stream.
+    A token stops its sequence with probability ``stop_prob`` (as EOS or a stop string would);
+    each step a running sequence is aborted with probability ``abort_prob``."""
+
+    def __init__(self, num_blocks: int, stop_prob: float = 0.0, abort_prob: float = 0.0,
+                 **config):  # fmt: skip
+        super().__init__(num_blocks, **config)
+        self.stop_prob, self.abort_prob = stop_prob, abort_prob
+        self.in_flight: SchedulerOutput | None = None
+        self.aheads: list[SchedulerOutput] = []
+        self.writes: dict[tuple[int, int], int] = {}  # (seq_id, position) -> KV writes
+
+    def step(self) -> SchedulerOutput:
+        prev = self.in_flight
+        if prev is None:
+            out = self._schedule()
+            if not (out.seqs and all(s.num_scheduled_tokens == 1 and s.samples_this_step
+                                     for s in out.seqs)):  # fmt: skip
+                self._run(out)
+                return out
+            for seq in out.seqs:
+                self._write_kv(seq)
+            self.outputs.append(out)
+            self.in_flight = out
+            return out
+        nxt = self.sched.schedule_ahead(prev)
+        if nxt is None:
+            self._check_no_ahead(prev)
+        else:
+            self._check_ahead(prev, nxt)
+            for seq in nxt.seqs:
+                pos = seq.num_tokens  # prev's token, not appended yet: its value is known here
+                self._write_slot(seq, pos, token(seq.seq_id, pos))
+            self.aheads.append(nxt)
+        self._collect(prev)
+        self.in_flight = nxt
+        self._maybe_abort()
+        return nxt or prev
+
+    def _run(self, out: SchedulerOutput) -> None:
+        """A step run plainly: computed and read at once."""
+        for seq in out.seqs:
+            self._write_kv(seq)
+        sampled = [s for s in out.seqs if s.samples_this_step]
+        self.sched.update(out)
+        for seq in sampled:
+            self._append(seq)
+        self.outputs.append(out)
+
+    def _collect(self, out: SchedulerOutput) -> None:
+        """Read a queued step's tokens: count it, append them."""
+        self.sched.update(out)
+        for seq in out.seqs:
+            if seq.status is SequenceStatus.RUNNING:  # else stopped or aborted while it ran
+                self._append(seq)
+
+    def _append(self, seq: Sequence) -> None:
+        """Append the token sampled, as the engine does: finish at a limit, or on a stop."""
+        self._check_kv(seq)
+        seq.append_token(token(seq.seq_id, seq.num_tokens))
+        limit = self.sched.max_model_len
+        if seq.num_output_tokens == seq.params.max_new_tokens or seq.num_tokens >= limit:
+            self.sched.finish(seq, "length")
+        elif random.random() < self.stop_prob:
+            self.sched.finish(seq, "stop")
+
+    def _maybe_abort(self) -> None:
+        for seq in self.sched.running:
+            if random.random() < self.abort_prob:
+                self.sched.abort(seq.seq_id)
+
+    def _ends(self, seq: Sequence) -> bool:
+        """Whether the token not appended yet ends ``seq`` at a length limit."""
+        limit = self.sched.max_model_len
+        return seq.num_output_tokens + 1 >= seq.params.max_new_tokens or seq.num_tokens + 1 >= limit
+
+    def _check_no_ahead(self, prev: SchedulerOutput) -> None:
+        """A look-ahead refused: a request waits, a running sequence is not in prev, no row
+        goes on, or the pool lacks the blocks the rows need."""
+        running = set(self.sched.running)
+        if self.sched.num_waiting or not running <= set(prev.seqs):
+            return
+        go = [s for s in prev.seqs if s in running and not self._ends(s)]
+        need = sum(self.bm.blocks_to_hold(s, s.num_tokens + 1) for s in go)
+        assert not go or need > self.bm.num_free_blocks, "a look-ahead step it could plan"
+
+    def _check_ahead(self, prev: SchedulerOutput, nxt: SchedulerOutput) -> None:
+        """The look-ahead step: prev's rows that go on, in prev's order, each with a block for
+        the position it computes; every other running sequence's next token ends it."""
+        assert nxt.ahead_rows is not None and nxt.num_decodes == len(nxt.seqs) > 0
+        assert [prev.seqs[i] for i in nxt.ahead_rows] == nxt.seqs
+        assert nxt.ahead_rows == sorted(set(nxt.ahead_rows))
+        assert not self.sched.num_waiting
+        assert set(self.sched.running) <= set(prev.seqs)
+        for seq in self.sched.running:
+            assert (seq in nxt.seqs) == (not self._ends(seq)), seq
+        for seq in nxt.seqs:
+            assert len(seq.block_table) >= self.bm.num_blocks_for(seq.num_tokens + 1)
+        held = [b for s in self.sched.running for b in s.block_table]
+        assert len(held) == len(set(held)) == self.bm.num_blocks - self.bm.num_free_blocks
+
+    def _write_kv(self, seq: Sequence) -> None:
+        ids, start = seq.token_ids, seq.num_computed_tokens
+        for pos in range(start, start + seq.num_scheduled_tokens):
+            self._write_slot(seq, pos, ids[pos])
+
+    def _write_slot(self, seq: Sequence, pos: int, tok: int) -> None:
+        bs = self.bm.block_size
+        self.kv[(seq.block_table[pos // bs], pos % bs)] = (seq.seq_id, pos, tok)
+        self.writes[(seq.seq_id, pos)] = self.writes.get((seq.seq_id, pos), 0) + 1
+
+    def check_all_done(self) -> None:
+        """Every sequence finished with its right tokens, up to its limit unless it stopped or
+        was aborted; no block leaked."""
+        for seq in self.seqs:
+            assert seq.status is SequenceStatus.FINISHED and seq.block_table == [], seq
+            n = seq.num_output_tokens
+            want = [token(seq.seq_id, seq.num_prompt_tokens + i) for i in range(n)]
+            assert seq.output_token_ids == want, f"{seq}: wrong tokens"
+            if seq.finish_reason == "length":
+                limit = self.sched.max_model_len
+                assert n == seq.params.max_new_tokens or seq.num_tokens == limit, seq
+            if not seq.num_preemptions:  # a look-ahead step is counted: nothing is recomputed
+                twice = [
+                    p for p in range(seq.num_tokens) if self.writes.get((seq.seq_id, p), 0) > 1
+                ]
+                assert not twice, f"{seq}: positions {twice[:5]} computed twice"
+        assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked"
+        assert not self.sched.has_unfinished and self.sched.num_running == 0

@@ -31,12 +31,12 @@ def _count_ahead(llm: LLM, rows_of: dict | None = None) -> list[int]:
     runner = llm.engine.runner
     launch = runner.launch
 
-    def spy(seqs, host, after=None):
+    def spy(seqs, after=None, rows=None):
         calls[0] += after is not None
         if after is not None and rows_of is not None:
             for seq in seqs:
                 rows_of[seq] = rows_of.get(seq, 0) + 1
-        return launch(seqs, host, after)
+        return launch(seqs, after, rows)
 
     runner.launch = spy
     return calls
@@ -168,7 +168,7 @@ def test_requests_added_and_aborted_while_a_step_is_queued():
     reqs = {rid: engine.requests[rid] for rid in ids}
     for _ in range(6):
         engine.step()
-    assert engine._in_flight is not None and ahead[0] > 0
+    assert engine.pipeline.in_flight is not None and ahead[0] > 0
     aborted = engine.abort(ids[1])
     assert aborted is not None and aborted.finish_reason == "abort"
     for p in prompts[4:]:
@@ -239,11 +239,11 @@ def test_a_step_that_fails_once_is_run_again_and_no_request_fails(monkeypatch, w
     armed = [False]
     launch, tokens = runner.launch, Launched.tokens
 
-    def faulty_launch(seqs, host, after=None):
+    def faulty_launch(seqs, after=None, rows=None):
         if armed[0] and (after is None) == (where == "first launch"):
             armed[0] = False
             raise RuntimeError("injected: launch failed")
-        return launch(seqs, host, after)
+        return launch(seqs, after, rows)
 
     def faulty_tokens(self):
         if armed[0] and where == "read-back":
@@ -259,7 +259,7 @@ def test_a_step_that_fails_once_is_run_again_and_no_request_fails(monkeypatch, w
     for _ in range(4):
         engine.step()
     engine.add(reqs[4])  # a fresh overlap starts only after a plain step (first launch)
-    assert engine._in_flight is not None or where == "first launch"
+    assert engine.pipeline.in_flight is not None or where == "first launch"
     armed[0] = True
     outputs = []
     while engine.has_unfinished():
@@ -268,7 +268,7 @@ def test_a_step_that_fails_once_is_run_again_and_no_request_fails(monkeypatch, w
     assert not [o for o in outputs if o.finish_reason == "error"]
     expected = [c.token_ids for c in _llm().generate(prompts, params)]
     assert [r.seq.output_token_ids for r in reqs] == expected
-    assert engine._in_flight is None and _all_blocks_free(llm)
+    assert engine.pipeline.in_flight is None and _all_blocks_free(llm)
     ahead = _count_ahead(llm)
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected
     assert sum(ahead) > 0, "the overlap did not resume"

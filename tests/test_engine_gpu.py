@@ -18,6 +18,7 @@ import torch
 from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import LLM
 from flashserve.engine.sequence import Sequence
+from flashserve.engine.step_plan import StepPlan
 from flashserve.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +74,9 @@ def _teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [len(id
     seq = Sequence(ids)
     engine.block_manager.allocate(seq, len(ids))
     seq.num_scheduled_tokens = len(ids)
-    inputs = runner.to_device(runner.prepare([seq]))
+    upload = runner.staging.begin()
+    inputs = runner.stage(StepPlan.build([seq], runner.block_size), upload)
+    upload.send()
     with torch.inference_mode():
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
         logits = runner.model.compute_logits(hidden)

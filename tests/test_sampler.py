@@ -470,7 +470,6 @@ def test_cuda_matches_cpu_without_syncs():
         rtol=1e-6, atol=0,
     )  # fmt: skip
     batch, logits_gpu = gpu.prepare(seqs), logits.cuda()
-    gpu.prepare(penalty_batch(3 * n, v))  # refills (and regrows) the pinned staging buffer
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -478,6 +477,9 @@ def test_cuda_matches_cpu_without_syncs():
             out = gpu(logits_gpu, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # the next upload refills (and regrows) the staging while that step may still run: its
+    # copy is queued after the step's kernels, and the step's inputs stay as they were sent
+    gpu.prepare(penalty_batch(3 * n, v))
     want = cpu(logits, cpu.prepare(seqs))
     assert torch.equal(out.token_ids.cpu(), want.token_ids)
     torch.testing.assert_close(out.top_logprobs.cpu(), want.top_logprobs)

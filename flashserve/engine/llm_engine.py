@@ -1,15 +1,9 @@
 """The engine: requests in, one scheduled step at a time, tokens out.
 
 ``LLMEngine`` is single-threaded; ``LLM`` drives it to completion for a list of prompts;
-``flashserve.engine.async_llm.AsyncLLM`` runs it on its own thread for the server.
-
-With ``async_scheduling`` the engine keeps one decode step queued on the device ahead of the
-host: while the GPU computes step n, the host reads back step n-1, appends its tokens, checks
-stops and hands the outputs on, having already queued step n+1, whose input tokens the device
-takes from step n's picks. That holds while the batch stays a decode without logprobs or
-penalties: a row that a stop ends is computed once more for nothing and dropped; new requests,
-logprobs, penalties or a full KV pool end the overlap, and the step after runs as
-``schedule()`` plans it.
+``flashserve.engine.async_llm.AsyncLLM`` runs it on its own thread for the server. The steps
+themselves, plain or overlapped (``async_scheduling``), and the isolation of failing requests
+are ``flashserve.engine.step_pipeline``'s; the engine turns their tokens into outputs.
 """
 
 from __future__ import annotations
@@ -21,28 +15,22 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
 from flashserve.config import EngineConfig
 from flashserve.engine.block_manager import BlockManager
-from flashserve.engine.model_runner import Launched, ModelRunner, SampledToken
+from flashserve.engine.model_runner import ModelRunner, SampledToken
 from flashserve.engine.outputs import Completion, RequestOutput, TokenOutput
-from flashserve.engine.scheduler import Scheduler, SchedulerOutput
+from flashserve.engine.scheduler import Scheduler
 from flashserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from flashserve.engine.step_pipeline import EngineDeadError, StepPipeline, StepResult
 from flashserve.engine.stop_strings import StopMatcher
 from flashserve.loaders.load import load_model
 from flashserve.sampling.params import SamplingParams
-from flashserve.sampling.sampler import Sampler
 from flashserve.tokenizer.detokenizer import IncrementalDetokenizer
 
+__all__ = ["LLM", "REQUEST_FAILED", "EngineDeadError", "LLMEngine", "Request"]
 logger = logging.getLogger(__name__)
 # what a client sees when its own request fails in the engine (the log has the details)
 REQUEST_FAILED = "the engine could not compute this request; the server log has the details"
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot go on (its CUDA context failed): every request fails, and the
-    process should be restarted."""
 
 
 @dataclass
@@ -55,14 +43,6 @@ class Request:
     stops: StopMatcher  # fed every text delta while the request runs
     text: str = ""
     stop_string_hit: bool = False
-
-
-@dataclass
-class _InFlight:
-    """A step queued on the device whose tokens the host has not read yet."""
-
-    launched: Launched
-    sched: SchedulerOutput | None  # the scheduler's plan, or None for a step queued ahead of it
 
 
 class LLMEngine:
@@ -84,11 +64,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, loaded.model, loaded.config)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self.pipeline = StepPipeline(self.config, self.scheduler, self.runner)
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._seed_rng = random.Random(self.config.seed)
-        self._in_flight: _InFlight | None = None
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -170,7 +150,7 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with an error (after a failed step); the engine carries on."""
-        self._in_flight = None  # its tokens, if it ever completes, go nowhere
+        self.pipeline.drop()
         outs = []
         for req in list(self.requests.values()):
             self.scheduler.abort(req.seq.seq_id)
@@ -185,133 +165,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, append the sampled tokens; outputs of requests that got a
         token (or finished). With ``async_scheduling``, the outputs of a decode step come from
-        the ``step()`` call after the one that queued it.
+        the ``step()`` call after the one that queued it. A step that fails fails only the
+        requests whose rows fail alone (``StepPipeline``)."""
+        return self._outputs(self.pipeline.step())
 
-        A step that fails fails only the requests it must (``_run_isolating``): the step is
-        run again in halves until the failing rows are alone, and only those end with an
-        error. A failure inside the async pipeline drops the steps in flight (their tokens are
-        computed again) and runs the next step plainly, isolating the same way."""
-        prev = self._in_flight
-        if prev is not None:
-            try:
-                self._in_flight = self._queue_next(prev)
-                return self._collect(prev)
-            except Exception:
-                logger.exception("a queued step failed: running the batch again, step by step")
-                self._drop_in_flight()
-                return self._run_isolating(self.scheduler.schedule())
-        sched = self.scheduler.schedule()
-        if self.config.async_scheduling and _overlappable(sched):
-            outputs = self._errored(sched)
-            try:
-                launched = self.runner.launch(sched.seqs, self.runner.prepare(sched.seqs))
-            except Exception:
-                logger.exception("launching a step failed: running it again, step by step")
-                return outputs + self._run_isolating(dataclasses.replace(sched, errored=[]))
-            self._in_flight = _InFlight(launched, sched)
-            return outputs
-        return self._run_isolating(sched)
-
-    def _errored(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Outputs of the sequences the scheduler finished because they can never fit."""
-        return [self._fail(self._by_seq[s.seq_id], s.error) for s in sched.errored]
-
-    def _run_isolating(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Run ``sched`` now and append its tokens; the requests whose rows fail even alone
-        end with an error, the others go on as if nothing had happened (a retried row computes
-        the same K/V into the same slots, and samples the same token: its noise depends only
-        on its seed and position)."""
-        outputs = self._errored(sched)
-        if sched.is_empty:
-            return outputs
-        done, failed = self._execute_isolating(sched.seqs)
-        for seq, exc in failed:
+    def _outputs(self, result: StepResult) -> list[RequestOutput]:
+        outputs = [self._fail(self._by_seq[s.seq_id], s.error) for s in result.errored]
+        for seq, exc in result.failed:
             req = self._by_seq[seq.seq_id]
             logger.error("request %s failed in the engine, alone: %s: %s",
                          req.request_id, type(exc).__name__, exc)  # fmt: skip
-            self.scheduler.abort(seq.seq_id)
             outputs.append(self._fail(req, REQUEST_FAILED))
-        gone = {seq.seq_id for seq, _ in failed}
-        ok = [s for s in sched.seqs if s.seq_id not in gone]
-        self.scheduler.update(SchedulerOutput(seqs=ok))
-        outputs += [self._append_or_fail(self._by_seq[s.seq_id], t) for s, t in done]
-        return outputs
-
-    def _execute_isolating(
-        self, seqs: list[Sequence]
-    ) -> tuple[list[tuple[Sequence, SampledToken]], list[tuple[Sequence, Exception]]]:
-        """(sequence, token) for the sampling rows of ``seqs`` that ran, and (sequence, error)
-        for those that fail even alone. A failed batch is split in halves (each keeps the
-        decodes-first order), so one bad row among N costs about 2 log2(N) extra steps."""
-        try:
-            tokens = self.runner.execute(seqs)
-        except Exception as exc:
-            self._check_device(exc)
-            if len(seqs) == 1:
-                return [], [(seqs[0], exc)]
-            logger.warning("a step of %d sequences failed (%s: %s): running it in halves",
-                           len(seqs), type(exc).__name__, exc)  # fmt: skip
-            mid = len(seqs) // 2
-            done_a, failed_a = self._execute_isolating(seqs[:mid])
-            done_b, failed_b = self._execute_isolating(seqs[mid:])
-            return done_a + done_b, failed_a + failed_b
-        return list(zip([s for s in seqs if s.samples_this_step], tokens)), []
-
-    def _check_device(self, exc: Exception) -> None:
-        """Raise ``EngineDeadError`` if ``exc`` left the CUDA context unusable (a device-side
-        assert poisons it: every later call fails), where retrying cannot help."""
-        if not self.config.is_cuda:
-            return
-        try:
-            torch.cuda.synchronize(self.config.device)
-        except Exception as dead:
-            raise EngineDeadError(f"the CUDA device failed: {dead}") from exc
-
-    def _drop_in_flight(self) -> None:
-        """Forget the steps queued ahead: their sequences are unscheduled, with nothing of
-        those steps appended, so the next plan computes the same tokens again."""
-        self._in_flight = None
-        for seq in self.scheduler.running:
-            seq.num_scheduled_tokens = 0
-
-    def _queue_next(self, prev: _InFlight) -> _InFlight | None:
-        """Queue the decode step after ``prev`` before reading ``prev``'s tokens: for every
-        sequence of ``prev`` still running that its token cannot take to a length limit. None
-        (the overlap ends) when requests wait to be admitted, a running sequence is not in
-        ``prev``, or the KV pool lacks a block."""
-        sched = self.scheduler
-        if sched.num_waiting:
-            return None
-        seqs = prev.launched.seqs
-        if sum(s.status is SequenceStatus.RUNNING for s in seqs) != sched.num_running:
-            return None
-        # prev's token is the one not appended yet: after it a sequence holds num_tokens + 1
-        rows = [i for i, s in enumerate(seqs) if s.status is SequenceStatus.RUNNING
-                and s.num_output_tokens + 1 < s.params.max_new_tokens
-                and s.num_tokens + 1 < self.max_model_len]  # fmt: skip
-        if not rows:
-            return None
-        nxt = [seqs[i] for i in rows]
-        bm = self.block_manager
-        if sum(bm.blocks_to_hold(s, s.num_tokens + 1) for s in nxt) > bm.num_free_blocks:
-            return None
-        for s in nxt:
-            bm.grow(s, s.num_tokens + 1)
-        host = self.runner.prepare_ahead(nxt, rows)
-        return _InFlight(self.runner.launch(nxt, host, prev.launched), None)
-
-    def _collect(self, fl: _InFlight) -> list[RequestOutput]:
-        """Read a queued step's tokens and append them to the sequences still running."""
-        tokens = fl.launched.tokens()
-        if fl.sched is not None:
-            self.scheduler.update(fl.sched)
-        outputs = []
-        for seq, tok in zip(fl.launched.seqs, tokens):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # stopped by an earlier token, or aborted, while this step ran
-            if fl.sched is None:
-                seq.num_computed_tokens += 1
-            outputs.append(self._append_or_fail(self._by_seq[seq.seq_id], tok))
+        outputs += [self._append_or_fail(self._by_seq[s.seq_id], t) for s, t in result.tokens]
         return outputs
 
     def _append_or_fail(self, req: Request, tok: SampledToken) -> RequestOutput:
@@ -392,18 +257,6 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             held_back=0 if finished else req.stops.held_back,
         )
-
-
-def _overlappable(sched: SchedulerOutput) -> bool:
-    """A step the engine may queue without waiting: every sequence computes its last token and
-    samples the next (a one-token prefill chunk that samples nothing is not one), with no
-    logprobs or penalties (the sampler needs no token the host has not read)."""
-    seqs = sched.seqs
-    return (
-        sched.num_decodes == len(seqs)
-        and all(s.samples_this_step for s in seqs)
-        and Sampler.overlappable(seqs)
-    )
 
 
 class LLM:

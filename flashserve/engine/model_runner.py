@@ -1,7 +1,10 @@
-"""Turns a scheduled step into device tensors, runs the model and samples.
+"""Turns a step into device tensors, runs the model and samples.
 
 The runner owns the device state: the model, the paged KV cache (one K and one V pool per
-layer) and the sampler. It builds one ``AttentionMetadata`` per step, shared by every layer.
+layer), the sampler and the staging that every host-to-device copy of a step goes through. A
+step is built once on the host (``StepPlan``), sent in one upload, and then run one of two
+ways (``_run``): by replaying a captured CUDA graph (decode-only steps) or eagerly. The
+attention backend builds the step's ``AttentionMetadata``, shared by every layer.
 """
 
 from __future__ import annotations
@@ -9,13 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from flashserve.config import EngineConfig
 from flashserve.engine.sequence import Sequence
+from flashserve.engine.staging import Staging, Upload
+from flashserve.engine.step_plan import StepPlan
 from flashserve.models.attention import AttentionMetadata
-from flashserve.sampling.sampler import Sampler
+from flashserve.sampling.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -23,25 +27,13 @@ CPU_KV_BYTES = 2 << 30  # default KV pool on CPU: 2 GiB (allocated lazily by the
 
 
 @dataclass
-class HostInputs:
-    """A step's inputs as host lists, before they become device tensors."""
-
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    slot_mapping: list[int]  # [T]
-    seq_lens: list[int]  # [B] KV length after this step
-    q_lens: list[int]  # [B] tokens computed this step
-    block_tables: np.ndarray  # [B, M] int32, zero padded
-    num_decodes: int  # the first num_decodes sequences compute one token each
-    sample_rows: list[int]  # [N] token rows whose logits are sampled
-
-
-@dataclass
 class StepInputs:
+    """A step's device tensors for an eager forward (views into the step's upload)."""
+
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [N] int64, rows of the hidden states to sample from
+    sample_indices: torch.Tensor | None  # [N] int64 rows to sample from; None: every row
 
 
 @dataclass
@@ -92,6 +84,8 @@ class ModelRunner:
         model.ensure_positions(self.max_model_len)
         self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device)
+        self.backend = model.backend
+        self.staging = Staging(self.device)  # eager steps' uploads; graphs spill into it
         self._landing = self._landing_buffers()
         self._num_launched = 0
         self.graphs = None
@@ -175,133 +169,32 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def prepare(self, seqs: list[Sequence]) -> HostInputs:
-        """Flattened inputs of a step on the host: decodes (one token each) first, then prefill
-        chunks. Work per sequence is O(tokens scheduled + blocks), not O(context)."""
-        bs = self.block_size
-        ids: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        q_lens: list[int] = []
-        sample_rows: list[int] = []
-        for seq in seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            ids.extend(_token_slice(seq, start, n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            seq_lens.append(start + n)
-            q_lens.append(n)
-            if seq.samples_this_step:
-                sample_rows.append(len(ids) - 1)
-        positions = [p for s, n in zip(seq_lens, q_lens) for p in range(s - n, s)]
-        return HostInputs(
-            input_ids=ids,
-            positions=positions,
-            slot_mapping=slots,
-            seq_lens=seq_lens,
-            q_lens=q_lens,
-            block_tables=_pad_tables([s.block_table for s in seqs]),
-            num_decodes=_count_leading_ones(q_lens),
-            sample_rows=sample_rows,
-        )
-
-    def prepare_ahead(self, seqs: list[Sequence], rows: list[int]) -> HostInputs:
-        """Inputs of a decode step queued while the step before it still runs: each sequence
-        computes position ``num_tokens``, the token that step picks in row ``rows[i]`` (the
-        input ids hold those rows; ``launch`` gathers the tokens on the device). Block tables
-        must already hold that position."""
-        bs = self.block_size
-        positions = [s.num_tokens for s in seqs]
-        b = len(seqs)
-        return HostInputs(
-            input_ids=rows,
-            positions=positions,
-            slot_mapping=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
-            seq_lens=[p + 1 for p in positions],
-            q_lens=[1] * b,
-            block_tables=_pad_tables([s.block_table for s in seqs]),
-            num_decodes=b,
-            sample_rows=list(range(b)),
-        )
-
-    def to_device(self, host: HostInputs) -> StepInputs:
-        dev = self.device
-        tensor = lambda x, dt: torch.as_tensor(x, dtype=dt).to(dev, non_blocking=True)
-        nd, q_lens, seq_lens = host.num_decodes, host.q_lens, host.seq_lens
-        has_prefill = len(q_lens) > nd
-        cu = np.zeros(len(q_lens) - nd + 1, dtype=np.int32)
-        np.cumsum(q_lens[nd:], out=cu[1:])
-        meta = AttentionMetadata(
-            slot_mapping=tensor(host.slot_mapping, torch.int64),
-            num_decode_tokens=nd,
-            decode_seq_lens=tensor(seq_lens[:nd], torch.int32) if nd else None,
-            decode_block_tables=tensor(host.block_tables[:nd], torch.int32) if nd else None,
-            max_decode_seq_len=max(seq_lens[:nd], default=0),
-            num_prefill_tokens=len(host.input_ids) - nd,
-            prefill_cu_seqlens_q=tensor(cu, torch.int32) if has_prefill else None,
-            prefill_seq_lens=tensor(seq_lens[nd:], torch.int32) if has_prefill else None,
-            prefill_block_tables=(
-                tensor(host.block_tables[nd:], torch.int32) if has_prefill else None
-            ),
-            max_prefill_query_len=max(q_lens[nd:], default=0),
-            max_prefill_seq_len=max(seq_lens[nd:], default=0),
-        )
-        return StepInputs(
-            input_ids=tensor(host.input_ids, torch.int64),
-            positions=tensor(host.positions, torch.int64),
-            meta=meta,
-            sample_indices=tensor(host.sample_rows, torch.int64),
-        )
-
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> list[SampledToken]:
-        """Run one step over ``seqs`` (scheduled, decodes first); one sampled token for each
-        sequence whose chunk reaches its last token, in the order of ``seqs``."""
-        host = self.prepare(seqs)
-        sampling = [s for s in seqs if s.samples_this_step]
-        if self.graphs is not None and self.graphs.can_run(host):
-            logits, greedy = self.graphs.run(host)  # [B, V] fp32; every decode samples
-            if self.sampler.plain_greedy(sampling):
-                return _picked(greedy.tolist(), len(seqs))  # the step's one device -> host copy
-        else:
-            logits = self._forward_eager(host)
-            if logits is None:
-                return []
-        out = self.sampler(logits, self.sampler.prepare(sampling))
+        """Run one scheduled step over ``seqs`` (decodes first) and wait for it: one sampled
+        token for each sequence whose chunk reaches its last token, in the order of ``seqs``."""
+        plan = StepPlan.build(seqs, self.block_size)
+        out = self._run(plan)
+        if out is None:
+            return []
+        if isinstance(out, torch.Tensor):  # the graph's greedy picks: one device -> host copy
+            return _picked(out.tolist(), len(plan.sampling))
         return _to_host(out)
 
-    def _forward_eager(self, host: HostInputs, source: torch.Tensor | None = None
-                       ) -> torch.Tensor | None:  # fmt: skip
-        """The model without a graph: logits [N, V] fp32 of the sampled rows, None when no
-        row samples. ``source``: input ids are indices into it (see ``launch``)."""
-        inputs = self.to_device(host)
-        if source is not None:
-            inputs.input_ids.copy_(source[inputs.input_ids])
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not host.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_indices])
-
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], host: HostInputs, after: Launched | None = None
-               ) -> Launched:  # fmt: skip
+    def launch(self, seqs: list[Sequence], after: Launched | None = None,
+               rows: list[int] | None = None) -> Launched:  # fmt: skip
         """Queue a decode-only step and return without waiting for it. Every row decodes one
         token, without penalties or top logprobs (``Sampler.overlappable``).
 
-        With ``after`` (the step queued before this one, whose tokens the host has not read),
-        ``host`` comes from ``prepare_ahead``: row i's input token is the one ``after`` picks
-        in row ``host.input_ids[i]``, gathered on the device."""
-        source = None if after is None else after.picks[0]
-        use_graph = self.graphs is not None and self.graphs.can_run(host)
-        graph_picks = use_graph and Sampler.plain_greedy(seqs)  # the graph's greedy picks
-        # the sampler's inputs go first: their copy then never waits for this step's forward
-        batch = None if graph_picks else self.sampler.prepare(seqs, ahead=after is not None)
-        if use_graph:
-            logits, picks = self.graphs.run(host, source)
+        With ``after`` (the step queued before this one, whose tokens the host has not read)
+        this is a look-ahead step (``StepPlan.build`` with ``rows``): row i's input token is
+        the one ``after`` picks in row ``rows[i]``, gathered on the device."""
+        plan = StepPlan.build(seqs, self.block_size, rows if after is not None else None)
+        out = self._run(plan, None if after is None else after.picks[0])
+        if isinstance(out, torch.Tensor):
+            picks = out
         else:
-            logits = self._forward_eager(host, source)
-        if not graph_picks:
-            out = self.sampler(logits, batch)
             picks = torch.stack((out.token_ids.double(), out.logprobs.double()))
         if self.device.type != "cuda":
             return Launched(seqs, picks, picks, None)
@@ -312,6 +205,53 @@ class ModelRunner:
         done.record()
         return Launched(seqs, picks, landing, done)
 
+    def _run(self, plan: StepPlan, source: torch.Tensor | None = None
+             ) -> torch.Tensor | SamplerOutput | None:  # fmt: skip
+        """The one launch path: the step's inputs (model, metadata, sampler) in one upload,
+        then graph replay or the eager forward, then sampling. Returns the graph's greedy
+        picks [2, >= N] float64 when every row is plain greedy under a graph, else the
+        sampler's output over the N sampled rows (None: no row samples). ``source``: the input
+        ids are indices into it (a look-ahead step)."""
+        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(plan) else None
+        greedy_in_graph = graphs is not None and Sampler.plain_greedy(plan.sampling)
+        upload = (graphs.staging if graphs is not None else self.staging).begin()
+        if graphs is not None:
+            bucket = graphs.stage(plan, upload)
+        else:
+            inputs = self.stage(plan, upload)
+        batch = None
+        if plan.sampling and not greedy_in_graph:
+            batch = self.sampler.prepare(plan.sampling, ahead=plan.ahead, upload=upload)
+        upload.send()
+        if graphs is not None:
+            logits, picks = graphs.replay(plan.batch_size, bucket, source)
+            if greedy_in_graph:
+                return picks
+        else:
+            logits = self._forward_eager(plan, inputs, source)
+        return None if batch is None else self.sampler(logits, batch)
+
+    def stage(self, plan: StepPlan, upload: Upload) -> StepInputs:
+        """An eager step's tensors, added to ``upload`` (usable once it is sent)."""
+        ids = upload.add(plan.input_ids, torch.int64)
+        positions = upload.add(plan.positions, torch.int64)
+        meta = self.backend.prepare_metadata(plan, upload)
+        rows = None if plan.samples_every_token else upload.add(plan.sample_rows, torch.int64)
+        return StepInputs(ids, positions, meta, rows)
+
+    def _forward_eager(self, plan: StepPlan, inputs: StepInputs,
+                       source: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """The model without a graph: logits [N, V] fp32 of the sampled rows, None when no
+        row samples. ``source``: the input ids are indices into it."""
+        if source is not None:
+            inputs.input_ids.copy_(source[inputs.input_ids])
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not plan.sample_rows:
+            return None
+        if inputs.sample_indices is not None:
+            hidden = hidden[inputs.sample_indices]
+        return self.model.compute_logits(hidden)
+
 
 def _picked(picks: list[list[float]], n: int) -> list[SampledToken]:
     """The first ``n`` rows of picks read back as [token ids, logprobs]."""
@@ -319,32 +259,7 @@ def _picked(picks: list[list[float]], n: int) -> list[SampledToken]:
     return [SampledToken(int(i), lp, None) for i, lp in zip(ids[:n], logprobs[:n])]
 
 
-def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
-    """``seq.token_ids[start:start+n]`` without concatenating prompt and output."""
-    p = seq.num_prompt_tokens
-    if start >= p:
-        return seq.output_token_ids[start - p : start - p + n]
-    if start + n <= p:
-        return seq.prompt_token_ids[start : start + n]
-    return seq.token_ids[start : start + n]
-
-
-def _count_leading_ones(q_lens: list[int]) -> int:
-    n = 0
-    while n < len(q_lens) and q_lens[n] == 1:
-        n += 1
-    return n
-
-
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
-    width = max((len(t) for t in tables), default=0)
-    out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return out
-
-
-def _to_host(out) -> list[SampledToken]:
+def _to_host(out: SamplerOutput) -> list[SampledToken]:
     """One device-to-host transfer for everything the step returns."""
     ids = out.token_ids.tolist()
     lps = out.logprobs.tolist()

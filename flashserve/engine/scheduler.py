@@ -12,6 +12,10 @@ sequence needs a block and none is free, the newest running sequence is preempte
 it loses its blocks and goes back to the front of the waiting queue, to recompute prompt plus
 outputs later (the same rule again). Older sequences always make progress, so nothing livelocks.
 
+With async scheduling the engine queues a decode step before it reads the tokens of the one
+before; ``schedule_ahead`` plans that look-ahead step (which rows go on, their blocks) and
+``update`` counts it once its tokens are read, as for any other step.
+
 A sequence that needs more blocks than the whole pool holds can never run. ``schedule()``
 finishes it with reason ``"error"``, sets ``seq.error`` and lists it in
 ``SchedulerOutput.errored`` rather than raising, so one bad request cannot stop the others.
@@ -37,16 +41,23 @@ class SchedulerOutput:
     order. ``preempted``: sequences that lost their blocks in this ``schedule()`` call.
     ``errored``: sequences finished with reason "error" because they can never fit in the KV
     pool (``seq.error`` says why); the engine reports them to their clients.
+    ``ahead_rows``: set for a look-ahead step (``Scheduler.schedule_ahead``): ``seqs[i]``
+    computes the token that the step before samples in its row ``ahead_rows[i]``, at position
+    ``num_tokens``; ``num_scheduled_tokens`` is not used.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     errored: list[Sequence] = field(default_factory=list)
+    ahead_rows: list[int] | None = None
 
     def __post_init__(self) -> None:
         # counted now: update() resets num_scheduled_tokens once the step has run
-        self._num_decodes = sum(1 for s in self.seqs if s.num_scheduled_tokens == 1)
+        if self.ahead_rows is not None:
+            self._num_decodes = len(self.seqs)
+        else:
+            self._num_decodes = sum(1 for s in self.seqs if s.num_scheduled_tokens == 1)
 
     @property
     def num_decodes(self) -> int:
@@ -81,8 +92,12 @@ class _Step:
 class Scheduler:
     """Holds the waiting queue and the running list; plans one step at a time."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 max_model_len: int | None = None):  # fmt: skip
+        """``max_model_len``: the context length the engine resolved (default: the config's;
+        none at all when both are None): a look-ahead step never computes past it."""
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len or config.max_model_len or 2**62
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self._waiting: deque[Sequence] = deque()
@@ -155,9 +170,47 @@ class Scheduler:
         return step.output(self.max_num_batched_tokens)
 
     def update(self, out: SchedulerOutput) -> None:
-        """The step ran: its scheduled tokens are now computed."""
+        """The step ran (and its tokens were read): its scheduled tokens are now computed; a
+        look-ahead step's one token each."""
+        if out.ahead_rows is not None:
+            for seq in out.seqs:
+                seq.num_computed_tokens += 1
+            return
         for seq in out.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Plan the decode step after ``prev`` while ``prev`` still runs, its tokens unread:
+        every sequence of ``prev`` still running whose next token cannot end it at a length
+        limit computes that token (position ``num_tokens``: the host has not appended it).
+        Grows their block tables to hold it. None (the overlap ends; plan with ``schedule``
+        once ``prev`` is updated) when requests wait, a running sequence is not in ``prev``,
+        or the pool lacks a block. ``prev`` must be a decode step (every row sampling) or a
+        look-ahead step; ``update(prev)`` comes before ``update`` of the step returned."""
+        if self._waiting:
+            return None
+        seqs = prev.seqs
+        if sum(s.status is SequenceStatus.RUNNING for s in seqs) != len(self._running):
+            return None
+        # prev's token is the one not appended yet: after it a sequence holds num_tokens + 1
+        rows = [i for i, s in enumerate(seqs) if s.status is SequenceStatus.RUNNING
+                and s.num_output_tokens + 1 < s.params.max_new_tokens
+                and s.num_tokens + 1 < self.max_model_len]  # fmt: skip
+        nxt = [seqs[i] for i in rows]
+        bm = self.block_manager
+        need = sum(bm.blocks_to_hold(s, s.num_tokens + 1) for s in nxt)
+        if not rows or need > bm.num_free_blocks:
+            return None
+        for s in nxt:
+            bm.grow(s, s.num_tokens + 1)
+        return SchedulerOutput(seqs=nxt, num_batched_tokens=len(nxt), ahead_rows=rows)
+
+    def unschedule(self) -> None:
+        """Forget the steps planned and not updated (the engine dropped them): each running
+        sequence computes the same tokens again at the next ``schedule``. Blocks grown for
+        them stay, for that step to use."""
+        for seq in self._running:
             seq.num_scheduled_tokens = 0
 
     def _check_updated(self) -> None:

@@ -1,4 +1,4 @@
-"""Attention metadata (built once per step, shared by every layer) and backend dispatch.
+"""Attention metadata (built once per step, shared by every layer) and the typed backends.
 
 A step's tokens are flattened: first the *decode* tokens (sequences that compute exactly one
 token this step, one per sequence), then the *prefill* tokens (chunks of two or more tokens per
@@ -8,11 +8,18 @@ step's K/V have been written into it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:  # the engine imports this module; these only type its hooks
+    from flashserve.engine.staging import Spec, Upload
+    from flashserve.engine.step_plan import StepPlan
 
 
 @dataclass
@@ -42,19 +49,119 @@ BACKEND_OPS = (
     "decode_attention",
     "prefill_attention",
 )
+Op = Callable[..., Any]
 
 
-def load_backend(name: str, pdl_chain: bool = True) -> SimpleNamespace:
-    """A backend's operations (``BACKEND_OPS``): ``torch`` is ``kernels.reference``; ``triton``
-    runs attention on its kernels, fuses the small operations around it (RMSNorm with the
-    residual add, RoPE with the KV store, SiLU with the multiply), one launch each, and runs
-    linear layers at decode batch sizes on its weight-streaming kernel. ``pdl_chain``: the
-    triton kernels of a decode layer join the PDL chain (``EngineConfig.pdl_chain``)."""
-    if name == "torch":
+class AttentionBackend(ABC):
+    """The operations the model calls, the metadata its attention reads, and the hooks that let
+    a captured CUDA graph read that metadata (as mini-sglang's backends do).
+
+    ``AttentionMetadata`` is built here and nowhere else: ``prepare_metadata`` for a step run
+    eagerly (its arrays join the step's one upload), ``capture_metadata`` over the static
+    buffers that ``graph_buffers`` describes, and ``replay_metadata`` writes a step's values
+    into those buffers, in the step's upload, before a replay.
+    """
+
+    name: str
+    linear: Op  # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]
+    rms_norm: Op  # (x [T, H], weight [H], eps) -> [T, H]
+    add_rms_norm: Op  # (x, residual, weight, eps) -> (normed [T, H], new residual [T, H])
+    silu_and_mul: Op  # [T, 2I] -> [T, I]
+    rope_write_kv: Op  # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv) -> q
+    decode_attention: Op  # one query token per sequence over its paged KV
+    prefill_attention: Op  # causal chunks over their cached context plus themselves
+
+    def __init__(self) -> None:
+        for op, fn in self._ops().items():
+            setattr(self, op, fn)
+        missing = [op for op in BACKEND_OPS if not callable(getattr(self, op, None))]
+        if missing:
+            raise TypeError(f"{type(self).__name__} lacks {', '.join(missing)}")
+
+    @abstractmethod
+    def _ops(self) -> dict[str, Op]:
+        """Each of ``BACKEND_OPS``, by name (imported here: the kernels load on first use)."""
+
+    # ---- metadata ------------------------------------------------------------------------
+
+    def prepare_metadata(self, plan: StepPlan, upload: Upload) -> AttentionMetadata:
+        """The metadata of a step run eagerly: its slots, KV lengths, block tables ([B, W],
+        zero padded) and the prefill part's query offsets go into ``upload``."""
+        nd, b = plan.num_decodes, plan.batch_size
+        cu = None
+        if b > nd:
+            offsets = np.zeros(b - nd + 1, dtype=np.int32)  # [Bp + 1]
+            np.cumsum(plan.q_lens[nd:], out=offsets[1:])
+            cu = upload.add(offsets, torch.int32)
+        return _metadata(
+            slots=upload.add(plan.slot_mapping, torch.int64),
+            seq_lens=upload.add(plan.seq_lens, torch.int32),
+            tables=upload.add_rows(plan.block_tables, plan.table_width),
+            cu=cu,
+            num_decodes=nd,
+            max_decode_seq_len=max(plan.seq_lens[:nd], default=0),
+            max_query_len=max(plan.q_lens[nd:], default=0),
+            max_prefill_seq_len=max(plan.seq_lens[nd:], default=0),
+        )
+
+    def graph_buffers(self, max_batch: int, max_blocks: int) -> dict[str, Spec]:
+        """The static buffers that captured decode steps read their metadata from: shapes
+        and dtypes, by name (the graph runner allocates them in its staging)."""
+        return {
+            "slot_mapping": ((max_batch,), torch.int64),
+            "seq_lens": ((max_batch,), torch.int32),
+            "block_tables": ((max_batch, max_blocks), torch.int32),
+        }
+
+    def capture_metadata(self, buffers: dict[str, torch.Tensor], batch: int,
+                         max_seq_len: int) -> AttentionMetadata:  # fmt: skip
+        """The metadata a decode of ``batch`` rows is captured with: views of the static
+        ``buffers``. The kernels read each row's KV length from device memory at replay;
+        ``max_seq_len`` (the longest possible) only sizes their split-KV grid."""
+        return _metadata(
+            slots=buffers["slot_mapping"][:batch],
+            seq_lens=buffers["seq_lens"][:batch],
+            tables=buffers["block_tables"][:batch],
+            cu=None,
+            num_decodes=batch,
+            max_decode_seq_len=max_seq_len,
+            max_query_len=0,
+            max_prefill_seq_len=0,
+        )
+
+    def replay_metadata(self, plan: StepPlan, bucket: int, upload: Upload) -> None:
+        """Write a decode step's metadata into the static buffers, through ``upload``: rows
+        past the step's batch, up to the captured ``bucket``, are padding with slot -1
+        (nothing stored) and KV length 1 (their table rows keep earlier, valid block ids)."""
+        pad = bucket - plan.batch_size
+        upload.put("slot_mapping", plan.slot_mapping + [-1] * pad)
+        upload.put("seq_lens", plan.seq_lens + [1] * pad)
+        upload.put_rows("block_tables", plan.block_tables, plan.table_width)
+
+
+class TorchBackend(AttentionBackend):
+    """``kernels.reference``: plain torch, rounding as Hugging Face does; runs on the CPU."""
+
+    name = "torch"
+
+    def _ops(self) -> dict[str, Op]:
         from kernels import reference
 
-        return SimpleNamespace(**{op: getattr(reference, op) for op in BACKEND_OPS})
-    if name == "triton":
+        return {op: getattr(reference, op) for op in BACKEND_OPS}
+
+
+class TritonBackend(AttentionBackend):
+    """Attention on the Triton kernels; the small operations around it fused (RMSNorm with
+    the residual add, RoPE with the KV store, SiLU with the multiply), one launch each, and
+    linear layers at decode batch sizes on the weight-streaming kernel."""
+
+    name = "triton"
+
+    def __init__(self, pdl_chain: bool = True) -> None:
+        self.pdl_chain = pdl_chain  # read by _ops, which the base class calls
+        super().__init__()
+
+    def _ops(self) -> dict[str, Op]:
         from kernels.activation import silu_and_mul
         from kernels.decode import decode_attention
         from kernels.gemv import linear
@@ -62,23 +169,52 @@ def load_backend(name: str, pdl_chain: bool = True) -> SimpleNamespace:
         from kernels.prefill import prefill_attention
         from kernels.rope import rope_write_kv
 
-        chain = {"chain": pdl_chain}
-        return SimpleNamespace(
-            linear=partial(linear, **chain),
-            rms_norm=partial(rms_norm, **chain),
-            add_rms_norm=partial(add_rms_norm, **chain),
-            silu_and_mul=partial(silu_and_mul, **chain),
-            rope_write_kv=partial(rope_write_kv, **chain),
-            decode_attention=partial(decode_attention, **chain),
-            prefill_attention=prefill_attention,
-        )
-    raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
+        chained = {"linear": linear, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm,
+                   "silu_and_mul": silu_and_mul, "rope_write_kv": rope_write_kv,
+                   "decode_attention": decode_attention}  # fmt: skip
+        ops = {name: partial(fn, chain=self.pdl_chain) for name, fn in chained.items()}
+        return {**ops, "prefill_attention": prefill_attention}
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
+
+
+def load_backend(name: str, pdl_chain: bool = True) -> AttentionBackend:
+    """The backend called ``name``: ``torch`` or ``triton``. ``pdl_chain``: the triton kernels
+    of a decode layer join the PDL chain (``EngineConfig.pdl_chain``)."""
+    if name == "triton":
+        return TritonBackend(pdl_chain)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
+    return BACKENDS[name]()
+
+
+def _metadata(*, slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
+              cu: torch.Tensor | None, num_decodes: int, max_decode_seq_len: int,
+              max_query_len: int, max_prefill_seq_len: int) -> AttentionMetadata:  # fmt: skip
+    """Split a step's per-sequence tensors ([B] lengths, [B, M] tables) at ``num_decodes``
+    into the decode part and the prefill part (views, no copies)."""
+    nd = num_decodes
+    prefill = cu is not None
+    return AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=nd,
+        decode_seq_lens=seq_lens[:nd] if nd else None,
+        decode_block_tables=tables[:nd] if nd else None,
+        max_decode_seq_len=max_decode_seq_len,
+        num_prefill_tokens=slots.shape[0] - nd,
+        prefill_cu_seqlens_q=cu,
+        prefill_seq_lens=seq_lens[nd:] if prefill else None,
+        prefill_block_tables=tables[nd:] if prefill else None,
+        max_prefill_query_len=max_query_len,
+        max_prefill_seq_len=max_prefill_seq_len,
+    )
 
 
 class PagedAttention:
     """Attention of one layer over its paged KV cache, with the backend chosen at start-up."""
 
-    def __init__(self, backend: SimpleNamespace, num_heads: int, num_kv_heads: int, scale: float):
+    def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int, scale: float):
         self.ops = backend
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -8,19 +8,23 @@ The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSN
 previous sublayer's output to the residual first (``add_rms_norm``), so the backend can do both
 in one kernel. The sums are the ones Hugging Face computes, in the same order and dtype. The
 small operations (norms, RoPE with the KV store, SiLU-and-multiply) come from the attention
-backend (``flashserve.models.attention.load_backend``): the torch one rounds exactly as Hugging Face
-does; the Triton one fuses them.
+backend (``flashserve.models.attention.AttentionBackend``): the torch one rounds exactly as
+Hugging Face does; the Triton one fuses them.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from flashserve.models.attention import AttentionMetadata, PagedAttention, load_backend
+from flashserve.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PagedAttention,
+    load_backend,
+)
 from flashserve.models.config import ModelConfig
 from flashserve.models.rope import RotaryEmbedding
 
@@ -32,7 +36,7 @@ class RMSNorm(nn.Module):
     """``w * x / sqrt(mean(x^2) + eps)``, normalised in float32 and cast back before ``w``;
     with ``residual``, normalises ``residual + x`` and returns that sum too."""
 
-    def __init__(self, size: int, eps: float, backend: types.SimpleNamespace | None = None):
+    def __init__(self, size: int, eps: float, backend: AttentionBackend | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
@@ -49,7 +53,7 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.ops = backend
         sizes = config.q_size + 2 * config.kv_size
@@ -75,7 +79,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.ops = backend
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, False)
@@ -87,7 +91,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.self_attn = LlamaAttention(config, backend)
@@ -113,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: types.SimpleNamespace):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -126,10 +130,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; parameters never require grad."""
 
-    def __init__(self, config: ModelConfig, attn_backend: types.SimpleNamespace):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
         super().__init__()
         self.config = config
-        self.ops = attn_backend
+        self.backend = attn_backend  # its metadata and graph hooks serve the model runner
         self.model = LlamaModel(config, attn_backend)
         self.lm_head = None  # tied: compute_logits uses the embedding matrix
         if not config.tie_word_embeddings:
@@ -156,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         """float32 logits."""
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return self.ops.linear(hidden, head.weight).float()
+        return self.backend.linear(hidden, head.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -216,7 +220,7 @@ def _check_complete(missing: list[str], unexpected: list[str]) -> None:
 
 
 def build_model(
-    config: ModelConfig, attn_backend: types.SimpleNamespace, device: str, dtype: torch.dtype
+    config: ModelConfig, attn_backend: AttentionBackend, device: str, dtype: torch.dtype
 ) -> LlamaForCausalLM:
     """A model with uninitialised weights allocated once, directly on ``device`` in ``dtype``
     (the RoPE cache is computed); fill it with ``load_weights`` or ``init_random``."""

@@ -13,14 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from flashserve.engine.sequence import Sequence
-from flashserve.sampling.inputs import (
-    Packer,
-    Staging,
-    TokenArrays,
-    as_float,
-    pack_penalties,
-    pack_sampling,
-)
+from flashserve.engine.staging import Staging, Upload
+from flashserve.sampling.inputs import TokenArrays, stage_penalties, stage_sampling
 from flashserve.sampling.noise import hash32_, noise_fn
 
 
@@ -134,7 +128,7 @@ class Sampler:
         self._vocab_hash = hash32_(vocab)  # [V]
         self._noise = noise_fn(self.device, self._vocab_hash, compile)
         self._tokens = TokenArrays(vocab_size)
-        self._staging = Staging(self.device)
+        self._staging: Staging | None = None  # prepare()'s own, when no upload is given
 
     @staticmethod
     def plain_greedy(seqs: list[Sequence]) -> bool:
@@ -154,35 +148,43 @@ class Sampler:
             for s in seqs
         )
 
-    def prepare(self, seqs: list[Sequence], ahead: bool = False) -> SamplingBatch:
-        """Host -> device, in one copy: per-row parameters and, if used, penalty histories.
-        ``ahead``: each row's last token is still on the device (a step queued ahead), so the
-        token sampled is one further than ``num_tokens`` says."""
+    def prepare(self, seqs: list[Sequence], ahead: bool = False,
+                upload: Upload | None = None) -> SamplingBatch:  # fmt: skip
+        """Host -> device: per-row parameters and, if used, penalty histories, added to
+        ``upload`` (the step's one copy; the batch is usable once it is sent) or, without one,
+        sent in a copy of their own (valid until the next ``prepare`` is sent, as any upload's
+        tensors). ``ahead``: each row's last token is still on the device (a step queued
+        ahead), so the token sampled is one further than ``num_tokens`` says."""
+        up = upload if upload is not None else self._own_upload()
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        packer = Packer()
+        floats = ints = rows = None
         if sampled:
-            pack_sampling(packer, seqs, sampled, int(ahead))
-        has_penalties = pack_penalties(packer, seqs, self._tokens)
-        t = packer.upload(self._staging)
+            floats, ints, rows = stage_sampling(up, seqs, sampled, int(ahead))
+        penalties = stage_penalties(up, seqs, self._tokens)
+        if upload is None:
+            up.send()
         ps = [seqs[i].params for i in sampled]
-        floats = as_float(t["floats"]) if sampled else [None] * 3
-        ints = t["ints"] if sampled else [None] * 3
         return SamplingBatch(
             num_seqs=len(seqs),
             num_sampled=len(sampled),
-            sample_rows=t.get("rows"),
-            temperature=floats[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            top_k=ints[0],
-            seed=ints[1],
-            step=ints[2],
+            sample_rows=rows,
+            temperature=None if floats is None else floats[0],
+            top_p=None if floats is None else floats[1],
+            min_p=None if floats is None else floats[2],
+            top_k=None if ints is None else ints[0],
+            seed=None if ints is None else ints[1],
+            step=None if ints is None else ints[2],
             max_top_k=max((p.top_k for p in ps if 0 < p.top_k < self.vocab_size), default=0),
             use_top_p=any(p.top_p < 1.0 for p in ps),
             use_min_p=any(p.min_p > 0.0 for p in ps),
-            penalties=_unpack_penalties(t) if has_penalties else None,
+            penalties=None if penalties is None else Penalties(*penalties[0], *penalties[1:]),
             max_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
         )
+
+    def _own_upload(self) -> Upload:
+        if self._staging is None:
+            self._staging = Staging(self.device)
+        return self._staging.begin()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 -> one token per row, with raw logprobs."""
@@ -210,11 +212,6 @@ class Sampler:
         if b.use_min_p:
             probs = _min_p(probs, b.min_p)
         return probs.div_(self._noise(b.seed, b.step, self._vocab_hash)).argmax(dim=-1)
-
-
-def _unpack_penalties(t: dict[str, torch.Tensor]) -> Penalties:
-    floats = as_float(t["penalty_floats"])
-    return Penalties(floats[0], floats[1], floats[2], t.get("seen"), t.get("output"))
 
 
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:

@@ -1,0 +1,91 @@
+"""The typed attention backend: its operations, and the metadata it alone builds, for a step run
+eagerly (``prepare_metadata``) and for captured decode graphs (``graph_buffers``,
+``capture_metadata``, ``replay_metadata``), from one ``StepPlan``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashserve.engine.sequence import Sequence
+from flashserve.engine.staging import Staging
+from flashserve.engine.step_plan import StepPlan
+from flashserve.models.attention import BACKEND_OPS, AttentionBackend, TorchBackend, load_backend
+
+BS = 4
+
+
+def _seq(num_tokens: int, computed: int, scheduled: int, blocks: list[int]) -> Sequence:
+    seq = Sequence(list(range(10, 10 + num_tokens)))
+    seq.num_computed_tokens, seq.num_scheduled_tokens, seq.block_table = computed, scheduled, blocks
+    return seq
+
+
+def test_backends_are_typed_and_complete():
+    backend = load_backend("torch")
+    assert isinstance(backend, AttentionBackend) and backend.name == "torch"
+    assert all(callable(getattr(backend, op)) for op in BACKEND_OPS)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        load_backend("flash")
+
+    class Partial(TorchBackend):
+        def _ops(self):
+            return {op: fn for op, fn in super()._ops().items() if op != "decode_attention"}
+
+    with pytest.raises(TypeError, match="decode_attention"):
+        Partial()
+
+
+def test_eager_metadata_splits_decodes_from_prefill_chunks():
+    """Two decodes, then a prefill chunk over cached context and a whole prompt: one upload,
+    lengths and tables split at the decodes (views), query offsets of the chunks."""
+    seqs = [
+        _seq(6, 5, 1, [7, 3]),  # decode at position 5
+        _seq(9, 8, 1, [1, 4, 8]),  # decode at position 8
+        _seq(11, 4, 5, [2, 6, 9]),  # chunk: positions 4..8
+        _seq(3, 0, 3, [5]),  # a prompt
+    ]
+    plan = StepPlan.build(seqs, BS)
+    assert plan.num_decodes == 2 and plan.sample_rows == [0, 1, 9] and plan.table_width == 3
+    staging = Staging("cpu")
+    up = staging.begin()
+    meta = load_backend("torch").prepare_metadata(plan, up)
+    up.send()
+    assert staging.num_copies == 1
+    slots = [3 * BS + 1, 8 * BS, 6 * BS, 6 * BS + 1, 6 * BS + 2, 6 * BS + 3, 9 * BS, 20, 21, 22]
+    assert meta.slot_mapping.tolist() == slots
+    assert (meta.num_decode_tokens, meta.num_prefill_tokens) == (2, 8)
+    assert meta.decode_seq_lens.tolist() == [6, 9] and meta.max_decode_seq_len == 9
+    assert meta.decode_block_tables.tolist() == [[7, 3, 0], [1, 4, 8]]
+    assert meta.prefill_cu_seqlens_q.tolist() == [0, 5, 8]
+    assert meta.prefill_seq_lens.tolist() == [9, 3] and meta.max_prefill_seq_len == 9
+    assert meta.prefill_block_tables.tolist() == [[2, 6, 9], [5, 0, 0]]
+    assert meta.max_prefill_query_len == 5
+    tables = meta.decode_block_tables
+    assert meta.prefill_block_tables.data_ptr() == tables.data_ptr() + 2 * 3 * 4  # one [B, M]
+
+
+def test_graph_hooks_capture_static_buffers_and_replay_writes_them():
+    backend = load_backend("torch")
+    spill = Staging("cpu")
+    staging = Staging("cpu", 1024, backend.graph_buffers(8, 16), spill=spill)
+    static = staging.fixed
+    captured = backend.capture_metadata(static, 4, max_seq_len=64)
+    assert captured.max_decode_seq_len == 64 and captured.num_prefill_tokens == 0
+    assert captured.decode_seq_lens.data_ptr() == static["seq_lens"].data_ptr()
+    assert captured.decode_block_tables.shape == (4, 16) and captured.prefill_cu_seqlens_q is None
+    seqs = [_seq(6, 5, 1, [7, 3]), _seq(2, 1, 1, [4])]
+    plan = StepPlan.build(seqs, BS)
+    up = staging.begin()
+    backend.replay_metadata(plan, 4, up)
+    up.send()
+    assert staging.num_copies == 1 and spill.num_copies == 0
+    # what the captured metadata reads now: two rows, then two padding rows
+    assert captured.slot_mapping.tolist() == [3 * BS + 1, 4 * BS + 1, -1, -1]
+    assert captured.decode_seq_lens.tolist() == [6, 2, 1, 1]
+    assert captured.decode_block_tables[:2, :2].tolist() == [[7, 3], [4, 0]]
+    assert captured.decode_block_tables[2:].tolist() == [[0] * 16] * 2  # valid ids: block 0
+    ahead = StepPlan.build(seqs, BS, rows=[1, 0])  # the look-ahead step after it
+    assert ahead.input_ids == [1, 0] and ahead.positions == [6, 2] and ahead.seq_lens == [7, 3]
+    assert ahead.slot_mapping == [3 * BS + 2, 4 * BS + 2] and ahead.ahead and ahead.is_decode
+    assert torch.equal(captured.slot_mapping, static["slot_mapping"][:4])
