@@ -1,0 +1,252 @@
+"""``flashserve serve`` runs the engine core in a process of its own: faults across the process
+boundary, each against a real server (``python -m server serve`` on ``dummy:tiny``).
+
+- the core dies (SIGKILL, or an exception in its loop): open requests end with an error (424
+  or an error event), /health says 503 within a second, the server exits 1 after
+  ``--dead-exit-delay``;
+- the front end dies (SIGKILL): the core exits within 5 s, no process is left behind;
+- SIGTERM (to the front end, or to the whole process group): both drain and exit 0;
+- /metrics shows the core's gauges (from its stats snapshots) moving with the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_utils import ROOT, _tail, _wait_healthy, free_port, sse_events
+
+from flashserve.engine.messages import STATS_PERIOD_S
+
+TINY = ("--model", "dummy:tiny")
+LONG = 1500  # tokens: a request still running when the test acts (~20 ms a token here)
+FAULTS = Path(__file__).parent / "faults"  # its sitecustomize.py injects faults in the core
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: object
+
+    @property
+    def core(self) -> psutil.Process:
+        """The engine core: the front end's child that multiprocessing spawned."""
+        for child in psutil.Process(self.proc.pid).children():
+            if "spawn_main" in " ".join(child.cmdline()):
+                return child
+        raise AssertionError(f"no engine core process:\n{_tail(self.log)}")
+
+    def log_text(self) -> str:
+        return _tail(self.log, 100_000)
+
+
+@contextmanager
+def server(*args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A server process whose handle the test keeps (to signal it and read its exit status);
+    killed, with every process under it, at the end."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *TINY, *args]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})  # fmt: skip
+        family: list[psutil.Process] = []
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, proc, log, 120)
+            family = psutil.Process(proc.pid).children(recursive=True)
+            yield Server(url, proc, log)
+        finally:
+            for p in [*family, psutil.Process(proc.pid)] if proc.poll() is None else family:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.wait()
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float) -> float:
+    """Seconds until ``condition()`` held; fails after ``timeout``."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def _gone(p: psutil.Process) -> bool:
+    """Exited (a zombie waiting for a reaper counts: it holds no memory)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _gauges(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("flashserve_") and not s.labels}  # fmt: skip
+
+
+async def _open_requests(
+    url: str, n_streams: int
+) -> tuple[httpx.AsyncClient, list[asyncio.Task], asyncio.Task]:
+    """``n_streams`` streams (TGI and OpenAI, alternating) that have their first token, and a
+    non-streamed /generate in flight, all of LONG tokens; with their client."""
+    ac = httpx.AsyncClient(base_url=url, timeout=60)
+    tgi = {"inputs": "hello", "parameters": {"max_new_tokens": LONG}}
+    cmpl = {"prompt": "hello", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    plain = asyncio.ensure_future(ac.post("/generate", json=tgi))
+    streams, tasks = [], []
+    for i in range(n_streams):
+        route, body = ("/generate_stream", tgi) if i % 2 == 0 else ("/v1/completions", cmpl)
+        first = asyncio.get_running_loop().create_future()
+        tasks.append(asyncio.ensure_future(_stream(ac, route, body, first)))
+        streams.append(first)
+    await asyncio.gather(*streams)
+    return ac, tasks, plain
+
+
+async def _stream(ac: httpx.AsyncClient, route: str, body: dict, first: asyncio.Future) -> list:
+    """Every ``data:`` line of a stream; ``first`` is set once its first token came."""
+    lines = []
+    async with ac.stream("POST", route, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                lines.append(line)
+                if not first.done():
+                    first.set_result(None)
+    return lines
+
+
+def _assert_ended_with_error(lines: list[str], plain: httpx.Response) -> None:
+    if lines[-1] == "data: [DONE]":  # OpenAI: the error event, then [DONE]
+        err = list(sse_events(lines[-2:-1]))[0]["error"]
+        assert err["type"] == "server_error" and "engine" in err["message"], err
+    else:
+        err = list(sse_events(lines[-1:]))[0]
+        assert err["error_type"] == "generation" and "engine" in err["error"], err
+    assert plain.status_code == 424 and plain.json()["error_type"] == "generation", plain.text
+
+
+def _core_dies_mid_stream(srv: Server, kill: Callable[[], None]) -> float:
+    """Open requests end with an error, /health says 503, the server exits 1 after its
+    --dead-exit-delay (2 s). Returns the seconds from ``kill()`` to the requests' end."""
+
+    async def scenario() -> tuple[list[list[str]], httpx.Response, float]:
+        ac, tasks, plain = await _open_requests(srv.url, 2)
+        t0 = time.monotonic()
+        kill()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, plain), 30)
+        await ac.aclose()
+        return results[:-1], results[-1], time.monotonic() - t0
+
+    streams, plain, took = asyncio.run(scenario())
+    t0 = time.monotonic()
+    for lines in streams:
+        _assert_ended_with_error(lines, plain)
+    r = httpx.get(f"{srv.url}/health")
+    assert r.status_code == 503 and "engine core process died" in r.json()["error"], r.text
+    assert httpx.post(f"{srv.url}/generate", json={"inputs": "hi"}).status_code == 503
+    assert srv.proc.wait(timeout=30) == 1
+    assert time.monotonic() - t0 >= 1.5, "exited before --dead-exit-delay"
+    return took
+
+
+def test_sigkilled_core_fails_open_requests_health_503_and_exit_1():
+    with server("--dead-exit-delay", "2") as srv:
+        core = srv.core
+        took = _core_dies_mid_stream(srv, lambda: core.send_signal(signal.SIGKILL))
+        assert took < 1.0, f"the open requests took {took:.1f} s to end"
+        assert "died (signal 9)" in srv.log_text()
+
+
+def test_health_is_503_within_a_second_of_the_core_death():
+    with server("--dead-exit-delay", "-1") as srv:
+        core = srv.core
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        core.send_signal(signal.SIGKILL)
+        took = _wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 503,
+                         "/health to say 503", 5)  # fmt: skip
+        assert took < 1.0, took
+        assert httpx.get(f"{srv.url}/ready").status_code == 503
+        time.sleep(1.0)
+        assert srv.proc.poll() is None, "a negative --dead-exit-delay: the server stays up"
+
+
+def test_exception_in_the_core_loop_fails_open_requests_and_exits_1():
+    env = {"PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)]),
+           "FLASHSERVE_TEST_CORE_FAULT": "40"}  # fmt: skip
+    with server("--dead-exit-delay", "2", env=env) as srv:
+        _core_dies_mid_stream(srv, lambda: None)  # the loop breaks on its 40th token message
+        log = srv.log_text()
+        assert "injected: the engine core loop broke" in log, log[-3000:]
+        assert "died (status 1)" in log
+
+
+def test_sigkilled_front_end_takes_the_core_with_it():
+    with server() as srv:
+        core = srv.core
+        family = psutil.Process(srv.proc.pid).children(recursive=True)
+        assert core in family
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait()
+        took = _wait_for(lambda: all(_gone(p) for p in family), "the core to exit", 5)
+        assert took < 5
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["front-end", "process-group"])
+def test_sigterm_drains_and_both_exit_0(group):
+    """SIGTERM to the front end, or to every process of the server (a service manager, a
+    Ctrl-C): the stream in flight finishes, then the core stops cleanly and the server exits
+    0."""
+    with server("--shutdown-timeout", "60") as srv:
+        core = srv.core
+        tgi = {"inputs": "hello", "parameters": {"max_new_tokens": 60, "details": True}}
+        with httpx.stream("POST", f"{srv.url}/generate_stream", json=tgi, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:")
+            for p in (srv.proc, core) if group else (srv.proc,):
+                p.send_signal(signal.SIGTERM)
+            events = list(sse_events(lines))
+        assert events[-1]["details"]["generated_tokens"] == 60, events[-1]
+        assert srv.proc.wait(timeout=60) == 0
+        assert _gone(core)
+        assert "the engine core stopped with status 0" in srv.log_text()
+
+
+def test_metrics_gauges_follow_the_core_and_a_disconnect_frees_the_kv_cache():
+    with server() as srv:
+        idle = _gauges(srv.url)
+        assert idle["flashserve_num_requests_running"] == 0
+        assert idle["flashserve_kv_cache_usage_ratio"] == 0
+
+        async def load() -> None:
+            ac, tasks, plain = await _open_requests(srv.url, 2)
+            busy = _gauges(srv.url)
+            assert busy["flashserve_num_requests_running"] == 3, busy
+            assert busy["flashserve_kv_cache_usage_ratio"] > 0, busy
+            for t in [*tasks, plain]:
+                t.cancel()  # the clients go away
+            await asyncio.gather(*tasks, plain, return_exceptions=True)
+            await ac.aclose()
+
+        asyncio.run(load())
+        took = _wait_for(lambda: _gauges(srv.url)["flashserve_kv_cache_usage_ratio"] == 0,
+                         "the KV cache to be freed", 10)  # fmt: skip
+        assert took < 2 * STATS_PERIOD_S + 1, took
+        assert _gauges(srv.url)["flashserve_num_requests_running"] == 0
