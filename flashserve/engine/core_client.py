@@ -225,12 +225,13 @@ class EngineCoreClient:
             raise ValueError(f"request id {rid!r} is already in use")
         arrival = time.monotonic()
         ids = await asyncio.to_thread(self.prompts.checked_ids, prompt, params)
-        if not self.is_running:  # the core died while the prompt was checked
-            raise RuntimeError("the engine is not running")
         state = _Open(asyncio.Queue(), ids)
         self._streams[rid] = state
         stats = RequestStats(arrival, num_prompt_tokens=len(ids))
-        self._send(AddRequest(rid, ids, params))
+        if self._dead is None:
+            self._send(AddRequest(rid, ids, params))
+        else:  # the core died while the prompt was checked: an error, as for those it held
+            self._fail(rid, state)
 
         def close(finished: bool) -> None:
             self._streams.pop(rid, None)
@@ -285,12 +286,15 @@ class EngineCoreClient:
             return
         self._dead = self._exit_reason()
         logger.error("%s: failing %d open request(s)", self._dead, len(self._streams))
-        error = f"the engine stopped: {self._dead}"
         for rid, state in list(self._streams.items()):
-            if not state.finished:
-                state.finished = True
-                state.queue.put_nowait((time.monotonic(), RequestOutput(rid, [], True, "error",
-                                                                        error=error)))  # fmt: skip
+            self._fail(rid, state)
+
+    def _fail(self, rid: str, state: _Open) -> None:
+        """End an open request with the error of the core's death."""
+        if not state.finished:
+            state.finished = True
+            out = RequestOutput(rid, [], True, "error", error=f"the engine stopped: {self._dead}")
+            state.queue.put_nowait((time.monotonic(), out))
 
     def _exit_reason(self) -> str:
         code = self._proc.exitcode
