@@ -88,8 +88,9 @@ def run_core(
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # the front end prints it and exits, as before the split
-        ready.send(("error", isinstance(exc, (OSError, ValueError)), str(exc)))
-        logger.debug("the engine core could not load the model", exc_info=True)
+        ready.send(("error", str(exc)))
+        if not isinstance(exc, (OSError, ValueError)):  # not a bad --model: a bug, log it all
+            logger.exception("the engine core could not load the model")
         raise SystemExit(1) from None
     info = CoreInfo(engine.config, engine.model_name, engine.max_model_len,
                     engine.model_config.vocab_size, engine.tokenizer)  # fmt: skip

@@ -55,12 +55,7 @@ STOP_TIMEOUT_S = 30.0
 
 
 class CoreStartupError(RuntimeError):
-    """The core process could not start serving; ``user_error``: a bad model or option (the
-    model cannot be loaded), not a fault of the engine."""
-
-    def __init__(self, message: str, user_error: bool = False) -> None:
-        super().__init__(message)
-        self.user_error = user_error
+    """The core process could not load the model (the message says why) or died first."""
 
 
 @dataclass
@@ -106,6 +101,8 @@ class EngineCoreClient:
             info = self._wait_ready(ours)
         except BaseException:
             self._kill()
+            self._inbox.close(linger=0)
+            self._outbox.close(linger=0)
             raise
         finally:
             ours.close()
@@ -124,10 +121,6 @@ class EngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task | None = None
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
     def _wait_ready(self, conn: multiprocessing.connection.Connection) -> CoreInfo:
         """The core's ``CoreInfo``, once it has loaded the model; CoreStartupError if it says
         it cannot, or dies first."""
@@ -141,8 +134,7 @@ class EngineCoreClient:
             self._proc.join(5)
             raise CoreStartupError(died.format(self._proc.exitcode)) from None
         if kind == "error":
-            user_error, message = rest
-            raise CoreStartupError(message, user_error)
+            raise CoreStartupError(rest[0])
         return rest[0]
 
     # ---- lifetime ----------------------------------------------------------------------------
