@@ -29,11 +29,56 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ROOT, _tail, _wait_healthy, free_port, sse_events
 
-from flashserve.engine.messages import STATS_PERIOD_S
+from flashserve.engine.messages import (
+    STATS_PERIOD_S,
+    AddRequest,
+    Codec,
+    EngineStats,
+    StepMessage,
+    from_wire,
+    to_wire,
+)
+from flashserve.engine.outputs import RequestOutput, TokenOutput
+from flashserve.sampling.params import SamplingParams
 
 TINY = ("--model", "dummy:tiny")
 LONG = 1500  # tokens: a request still running when the test acts (~20 ms a token here)
 FAULTS = Path(__file__).parent / "faults"  # its sitecustomize.py injects faults in the core
+
+
+# ---- the messages ----------------------------------------------------------------------------
+
+
+def test_outputs_cross_as_text_deltas_and_never_carry_the_prompt():
+    """Per token, a message carries the text that token added, not the text so far nor the
+    prompt; the final one carries the whole text, which a stop string may have cut; the
+    front end rebuilds every RequestOutput as the engine made it."""
+    codec, prompt = Codec(), list(range(30_000))
+    texts = ["Hel", "Hello", "Hello, wor", "Hello"]  # the last: finished, a stop string cut
+    outs = [_output(i, t, finished=i == 3, prompt=prompt) for i, t in enumerate(texts)]
+    sent, text, sizes = 0, "", []
+    for out in outs:
+        frame = codec.encode(StepMessage([to_wire(out, sent)], EngineStats(0.0, 1, 0, 0.1, 0, 1)))
+        sizes.append(len(frame))
+        sent = len(out.generated_text)
+        (w,) = codec.step.decode(frame).outputs
+        text = w.text if w.finished else text + w.text
+        assert from_wire(w, text, prompt) == out
+    assert max(sizes) < 200, sizes  # the 30,000 prompt ids never travel with an output
+    add = AddRequest("r", [1, 2, 3], SamplingParams(max_new_tokens=5, stop=["x"], seed=1))
+    assert codec.to_core.decode(codec.encode(add)) == add
+
+
+def _output(i: int, text: str, finished: bool, prompt: list[int]) -> RequestOutput:
+    token = TokenOutput(i, text[-2:], -0.5, False, [(i, "x", -0.1)])
+    return RequestOutput(
+        "r", [token], finished, finish_reason="stop_sequence" if finished else None,
+        generated_text=text, num_prompt_tokens=len(prompt), num_generated_tokens=i + 1, seed=7,
+        prompt_token_ids=prompt, held_back=0 if finished else 1,
+    )  # fmt: skip
+
+
+# ---- the server's processes -------------------------------------------------------------------
 
 
 @dataclass
