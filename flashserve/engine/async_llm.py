@@ -4,10 +4,15 @@ The engine thread owns the ``LLMEngine``: it drains an inbox of new requests and
 steps while there is work, and hands each output to the asyncio loop of the request that waits
 for it. Callers never touch engine state directly.
 
-For the server's health checks and metrics it keeps a heartbeat (the engine thread stamps it on
-every loop iteration, idle waits included), reports each request's timings (``RequestStats``)
-to the callbacks in ``on_finished``, on the request's own event loop, and reads the memory of
-its device (``device_memory``).
+It is the in-process ``EngineClient`` (``flashserve.engine.protocol``): the Python API, and the
+engine of ``build_app(config)`` and of the tests that reach the engine behind a server.
+``flashserve serve`` runs the engine in a process of its own instead (``EngineCoreClient``),
+so that the HTTP front end's Python never competes with the engine loop for one GIL.
+
+For health checks and metrics it keeps a heartbeat (the engine thread stamps it on every loop
+iteration, idle waits included), reports each request's timings (``RequestStats``) to the
+callbacks in ``on_finished``, on the request's own event loop, and gives its gauges as a stats
+snapshot (``stats``), the memory of its device included.
 """
 
 from __future__ import annotations
