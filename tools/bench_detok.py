@@ -26,13 +26,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4000)
     args = parser.parse_args()
+    import gguf
+
     from flashserve.engine.stop_strings import StopMatcher
     from flashserve.loaders.gguf import read_metadata
     from flashserve.loaders.load import default_model_path
     from flashserve.tokenizer.detokenizer import IncrementalDetokenizer
     from flashserve.tokenizer.tokenizer import Tokenizer
-
-    import gguf
 
     tok = Tokenizer.from_gguf(read_metadata(gguf.GGUFReader(default_model_path())))
     ids = (tok.encode(TEXT * (args.tokens // 20)) * 2)[: args.tokens]

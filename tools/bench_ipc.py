@@ -35,8 +35,9 @@ def _outputs_tuples(batch: int, step: int) -> list[tuple]:
 def _outputs_structs(batch: int, step: int):
     from flashserve.engine.messages import EngineStats, StepMessage, WireOutput, WireToken
 
-    outs = [WireOutput(f"req-{i:04d}", [WireToken(step % 50000, ITEM[0], -ITEM[1], False)],
-                       False, None, ITEM[0], step, 1234, None, 0) for i in range(batch)]  # fmt: skip
+    token = WireToken(step % 50000, ITEM[0], -ITEM[1], False)
+    outs = [WireOutput(f"req-{i:04d}", [token], False, None, ITEM[0], step, 1234, None, 0)
+            for i in range(batch)]  # fmt: skip
     return StepMessage(outs, EngineStats(time.monotonic(), batch, 0, 0.5, 0, batch))
 
 
@@ -135,8 +136,9 @@ def main() -> None:
     import msgspec
     import zmq
 
-    print(f"python {sys.version.split()[0]}, pyzmq {zmq.__version__} (libzmq "
-          f"{zmq.zmq_version()}), msgspec {msgspec.__version__}, {os.cpu_count()} CPUs")  # fmt: skip
+    libzmq = zmq.zmq_version()
+    versions = f"pyzmq {zmq.__version__} (libzmq {libzmq}), msgspec {msgspec.__version__}"
+    print(f"python {sys.version.split()[0]}, {versions}, {os.cpu_count()} CPUs")
     print("| channel | batch | round trip p50 (us) | p99 (us) | mean (us) | core per step (us) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for batch in args.batches:
