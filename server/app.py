@@ -13,6 +13,7 @@ from fastapi import FastAPI
 import flashserve
 from flashserve.config import EngineConfig
 from flashserve.engine.async_llm import AsyncLLM
+from flashserve.engine.protocol import EngineClient
 from server import health, openai, tgi
 from server.admission import Gate
 from server.errors import register_error_handlers
@@ -26,11 +27,13 @@ WATCHDOG_PERIOD_S = 1.0
 
 def build_app(
     config: EngineConfig | None = None,
-    llm: AsyncLLM | None = None,
+    llm: EngineClient | None = None,
     raw_prompts: bool = False,
     settings: ServerSettings | None = None,
 ) -> FastAPI:
-    """An app serving ``llm``, or an engine built from ``config`` (the default model if None).
+    """An app serving ``llm``, or an in-process engine (``AsyncLLM``) built from ``config``
+    (the default model if None). ``flashserve serve`` passes an ``EngineCoreClient``, whose
+    engine runs in a process of its own.
 
     The engine lives as long as the app's lifespan: it is loaded (when not given), started on
     startup and shut down on exit; the routes find it on ``app.state.llm``. A given ``llm`` must
@@ -75,7 +78,7 @@ def build_app(
     return app
 
 
-async def _watchdog(llm: AsyncLLM, stall_timeout: float) -> None:
+async def _watchdog(llm: EngineClient, stall_timeout: float) -> None:
     """Log when the engine dies or stalls, and when it recovers (/health answers the same)."""
     last: str | None = None
     while True:

@@ -146,7 +146,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from flashserve.engine.async_llm import AsyncLLM
+    from flashserve.engine.core_client import CoreStartupError, EngineCoreClient
     from server.app import build_app
     from server.shutdown import DrainingServer
 
@@ -156,7 +156,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     logger.info(
         "loading %s on %s (%s)", config.model or "the default model", config.device, config.dtype
     )
-    llm = cli.load_engine(AsyncLLM, config)  # before uvicorn: a bad --model is a plain error
+    # the engine core process loads the model before uvicorn starts: a bad --model is a plain
+    # error, with the same message and status as when the engine ran in this process
+    try:
+        llm = EngineCoreClient(config, log_level=logging.getLogger().getEffectiveLevel())
+    except CoreStartupError as exc:
+        raise cli.CLIError(f"cannot load the model {config.model or '(default)'}: {exc}") from exc
     app = build_app(llm=llm, raw_prompts=args.raw_prompts, settings=settings)
     # the drain (DrainingServer) lets requests finish; what is still open after it gets 2 s
     uvicorn_config = uvicorn.Config(

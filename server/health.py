@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from flashserve.engine.async_llm import AsyncLLM
+from flashserve.engine.protocol import EngineClient
 from server.errors import APIError, documented
 
 router = APIRouter()
@@ -41,7 +41,7 @@ async def ready(request: Request) -> Response:
 
 
 def _dead_reason(request: Request) -> str | None:
-    llm: AsyncLLM | None = getattr(request.app.state, "llm", None)
+    llm: EngineClient | None = getattr(request.app.state, "llm", None)
     if llm is None:
         return "the engine is not running"
     return llm.stalled_reason(request.app.state.settings.stall_timeout)

@@ -7,9 +7,10 @@
   (engine request: submitted to last token) and ``flashserve_request_queue_time_seconds``
   (the wait for an admission slot; time in the engine's own queue shows in the TTFT);
 - ``flashserve_aborted_requests_total``: requests that ended before their end (client gone);
-- read from the engine at scrape time: ``flashserve_num_requests_running``,
-  ``flashserve_num_requests_waiting``, ``flashserve_kv_cache_usage_ratio`` and
-  ``flashserve_num_preemptions_total``;
+- the engine's gauges, from the latest stats snapshot it published (``EngineClient.stats``;
+  the engine core process sends one with every step, and every 0.5 s while idle):
+  ``flashserve_num_requests_running``, ``flashserve_num_requests_waiting``,
+  ``flashserve_kv_cache_usage_ratio`` and ``flashserve_num_preemptions_total``;
 - memory, for soak runs: ``process_resident_memory_bytes`` and the other ``process_*`` series
   of prometheus_client's process collector (Linux only: it reads /proc), and when the engine
   runs on CUDA ``flashserve_gpu_memory_allocated_bytes`` and
@@ -36,7 +37,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flashserve.engine.async_llm import AsyncLLM, RequestStats
+from flashserve.engine.protocol import EngineClient, RequestStats
 
 router = APIRouter()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -44,7 +45,7 @@ _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 
 
 class Metrics:
-    """The app's registry and its instruments; ``observe`` is an ``AsyncLLM.on_finished``."""
+    """The app's registry and its instruments; ``observe`` is an ``EngineClient.on_finished``."""
 
     def __init__(self, app: FastAPI) -> None:
         self.registry = r = CollectorRegistry()
@@ -82,28 +83,26 @@ class Metrics:
 
 
 class _EngineCollector:
-    """Engine numbers read at scrape time: plain ints and floats that the engine thread
-    writes; reading them from here is safe (never mutate)."""
+    """The engine's gauges at scrape time, from its latest stats snapshot."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
 
     def collect(self) -> Iterator[Metric]:
-        llm: AsyncLLM | None = getattr(self.app.state, "llm", None)
-        if llm is None:
+        llm: EngineClient | None = getattr(self.app.state, "llm", None)
+        stats = llm.stats() if llm is not None else None
+        if stats is None:
             return
-        scheduler, blocks = llm.engine.scheduler, llm.engine.block_manager
         yield GaugeMetricFamily("flashserve_num_requests_running", "sequences running",
-                                value=scheduler.num_running)  # fmt: skip
+                                value=stats.running)  # fmt: skip
         yield GaugeMetricFamily("flashserve_num_requests_waiting", "sequences waiting",
-                                value=scheduler.num_waiting)  # fmt: skip
+                                value=stats.waiting)  # fmt: skip
         yield GaugeMetricFamily("flashserve_kv_cache_usage_ratio", "share of KV blocks in use",
-                                value=blocks.usage())  # fmt: skip
+                                value=stats.kv_usage)  # fmt: skip
         yield CounterMetricFamily("flashserve_num_preemptions", "sequences preempted",
-                                  value=scheduler.num_preemptions)  # fmt: skip
-        memory = llm.device_memory()
-        if memory is not None:
-            allocated, reserved = memory
+                                  value=stats.preemptions)  # fmt: skip
+        if stats.gpu_memory is not None:
+            allocated, reserved = stats.gpu_memory
             yield GaugeMetricFamily(
                 "flashserve_gpu_memory_allocated_bytes", "GPU memory in tensors", value=allocated
             )

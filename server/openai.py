@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from flashserve.engine.async_llm import AsyncLLM
 from flashserve.engine.outputs import RequestOutput, TokenOutput
+from flashserve.engine.protocol import EngineClient
 from flashserve.sampling.params import SamplingParams
 from server.errors import APIError, documented, openai_error_body
 from server.openai_output import (
@@ -182,7 +182,7 @@ def _check_choices(request: Request, prompts: int, n: int) -> None:
         raise ParamError(param, f"{asked}; the server runs at most {running} at once")
 
 
-async def _encode(llm: AsyncLLM, prompt: str | list[int], param: str) -> list[int]:
+async def _encode(llm: EngineClient, prompt: str | list[int], param: str) -> list[int]:
     """Token ids, on a worker thread; text that cannot fit the context is refused unread."""
     if isinstance(prompt, str):
         least = llm.tokenizer.min_tokens(prompt)
@@ -195,7 +195,7 @@ async def _encode(llm: AsyncLLM, prompt: str | list[int], param: str) -> list[in
     return list(prompt)  # the engine checks the ids against the vocabulary
 
 
-async def _chat_prompt(llm: AsyncLLM, body: ChatRequest) -> list[int]:
+async def _chat_prompt(llm: EngineClient, body: ChatRequest) -> list[int]:
     """The conversation rendered by the model's chat template, as token ids."""
     messages = [m.for_template() for m in body.messages]
     try:
@@ -205,7 +205,7 @@ async def _chat_prompt(llm: AsyncLLM, body: ChatRequest) -> list[int]:
     return await _encode(llm, text, "messages")
 
 
-def _check_context(llm: AsyncLLM, prompt: int, max_tokens: int, asked: bool = True) -> None:
+def _check_context(llm: EngineClient, prompt: int, max_tokens: int, asked: bool = True) -> None:
     """Prompt plus completion must fit the context: OpenAI's message, naming both numbers."""
     limit = llm.max_model_len
     if prompt + max_tokens <= limit and max_tokens > 0:
@@ -224,7 +224,7 @@ def _check_context(llm: AsyncLLM, prompt: int, max_tokens: int, asked: bool = Tr
 
 
 async def _start(
-    request: Request, llm: AsyncLLM, kind: str, jobs: list[tuple[list[int], SamplingParams]]
+    request: Request, llm: EngineClient, kind: str, jobs: list[tuple[list[int], SamplingParams]]
 ) -> _Run:
     """Submit every choice's request and wait for their first outputs, so that the engine's
     checks answer with a 400 before any response has started."""
@@ -259,7 +259,7 @@ def _usage(prompt_tokens: int, lasts: list[RequestOutput]) -> Usage:
                  total_tokens=prompt_tokens + completion)  # fmt: skip
 
 
-def _card(llm: AsyncLLM) -> ModelCard:
+def _card(llm: EngineClient) -> ModelCard:
     return ModelCard(id=llm.model_name, created=_STARTED, max_model_len=llm.max_model_len)
 
 

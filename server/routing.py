@@ -10,8 +10,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from flashserve.engine.async_llm import AsyncLLM
 from flashserve.engine.outputs import RequestOutput, TokenOutput
+from flashserve.engine.protocol import EngineClient
 from server.admission import TICKET
 from server.errors import APIError
 
@@ -23,9 +23,9 @@ STREAM = {200: {"description": "the answer; streamed as Server-Sent Events when 
                 "content": {"text/event-stream": {"itemSchema": _EVENT}}}}  # fmt: skip
 
 
-def engine_of(request: Request) -> AsyncLLM:
+def engine_of(request: Request) -> EngineClient:
     """The app's engine; 503 when it is not running."""
-    llm: AsyncLLM = request.app.state.llm
+    llm: EngineClient = request.app.state.llm
     if not llm.is_running:
         raise APIError(503, "the engine is not running", "unavailable")
     return llm

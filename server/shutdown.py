@@ -4,15 +4,16 @@ then stop.
 ``DrainingServer`` is uvicorn's server with a drain in front of its own shutdown: the first
 signal sets ``app.state.draining`` (new requests get 503, ``/ready`` says 503) and waits until
 no request is in flight or ``shutdown_timeout`` has passed; then uvicorn closes the
-connections, the app's lifespan stops the engine, and ``run()`` returns (exit status 0). A
-second signal skips the rest of the drain. Requests still open when the timeout expires are
-ended with an error first (``AsyncLLM.fail_requests``): each stream sends its error event and
-ends cleanly, instead of being cut mid-way.
+connections, the app's lifespan stops the engine (and waits for the engine core process to
+exit), and ``run()`` returns (exit status 0). A second signal skips the rest of the drain.
+Requests still open when the timeout expires are ended with an error first
+(``EngineClient.fail_requests``): each stream sends its error event and ends cleanly, instead
+of being cut mid-way.
 
-It also watches the engine: once the watchdog calls it dead (``AsyncLLM.stalled_reason``) for
-``dead_exit_delay`` seconds, the server stops with ``exit_status`` 1, so that a supervisor
-(Docker's restart policy, Kubernetes) starts a fresh process instead of leaving one that can
-only answer 503.
+It also watches the engine: once the watchdog calls it dead (``EngineClient.stalled_reason``:
+its thread or process is gone, or it stalls) for ``dead_exit_delay`` seconds, the server
+stops with ``exit_status`` 1, so that a supervisor (Docker's restart policy, Kubernetes)
+starts a fresh process instead of leaving one that can only answer 503.
 """
 
 from __future__ import annotations

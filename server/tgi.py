@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 import flashserve
-from flashserve.engine.async_llm import AsyncLLM
 from flashserve.engine.outputs import RequestOutput, TokenOutput
+from flashserve.engine.protocol import EngineClient
 from flashserve.sampling.params import SamplingParams
 from server.errors import APIError, documented, error_body, validating
 from server.routing import STREAM, admit, collect, engine_of, unless_disconnected
@@ -36,10 +36,10 @@ GENERATE_ERRORS = (401, 408, 413, 422, 429, 500, 503)
 
 @router.get("/info", responses=documented(401, 503))
 async def info(request: Request) -> Info:
-    llm: AsyncLLM = request.app.state.llm
+    llm: EngineClient = request.app.state.llm
     return Info(
         model_id=llm.model_name,
-        model_dtype=f"torch.{llm.dtype}",
+        model_dtype=f"torch.{llm.config.dtype}",
         model_device_type=llm.config.device.split(":")[0],
         max_batch_size=llm.config.max_num_seqs,
         max_input_tokens=llm.max_model_len - 1,
@@ -107,7 +107,7 @@ async def compat_generate(
 
 
 async def _prepare(
-    request: Request, llm: AsyncLLM, body: GenerateRequest
+    request: Request, llm: EngineClient, body: GenerateRequest
 ) -> tuple[str | list[int], SamplingParams]:
     """The prompt (text, or token ids with ``truncate``) and the sampling parameters; 422 when
     they are bad. The chat template and the tokenizer run on a worker thread: the inputs may
@@ -125,7 +125,7 @@ async def _prepare(
         raw = request.app.state.raw_prompts
         prompt = await asyncio.to_thread(_as_prompt, llm, body.inputs, raw)
         if truncate is None:
-            llm.engine.check_text_fits(prompt)  # before admission: a slot is not spent on it
+            llm.check_text_fits(prompt)  # before admission: a slot is not spent on it
             return prompt, params
         # text longer than the context is legitimate here: the last ``truncate`` tokens are
         # kept. Only the body limit bounds the text tokenized.
@@ -133,7 +133,7 @@ async def _prepare(
         return ids[-truncate:], params
 
 
-def _as_prompt(llm: AsyncLLM, inputs: str, raw: bool) -> str:
+def _as_prompt(llm: EngineClient, inputs: str, raw: bool) -> str:
     """Plain text sent to a chat model becomes one user turn of its chat template (as Ollama's
     /api/generate does), so that a question gets an answer; text that already holds the
     template's special tokens, a model without a template, or ``--raw-prompts`` pass as is."""
@@ -147,7 +147,7 @@ def _as_prompt(llm: AsyncLLM, inputs: str, raw: bool) -> str:
 
 
 async def _start(
-    request: Request, llm: AsyncLLM, prompt: str | list[int], params: SamplingParams
+    request: Request, llm: EngineClient, prompt: str | list[int], params: SamplingParams
 ) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
     """Submit the request and wait for its first output, so that the engine's checks (prompt
     length against the context) answer with a 422 before any response has started."""

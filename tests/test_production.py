@@ -384,17 +384,19 @@ def test_gpu_memory_gauges_read_the_engine_device():
 
     from prometheus_client import CollectorRegistry, generate_latest
 
+    from flashserve.engine.messages import EngineStats
     from server.metrics import _EngineCollector
 
-    scheduler = SimpleNamespace(num_running=1, num_waiting=0, num_preemptions=0)
-    engine = SimpleNamespace(scheduler=scheduler, block_manager=SimpleNamespace(usage=lambda: 0.5))
-    llm = SimpleNamespace(engine=engine, device_memory=lambda: (3 * 2**30, 4 * 2**30))
+    stats = EngineStats(time.monotonic(), running=1, waiting=0, kv_usage=0.5, preemptions=0,
+                        unfinished=1, gpu_memory=(3 * 2**30, 4 * 2**30))  # fmt: skip
+    llm = SimpleNamespace(stats=lambda: stats)
     registry = CollectorRegistry()
     registry.register(_EngineCollector(SimpleNamespace(state=SimpleNamespace(llm=llm))))
     text = generate_latest(registry).decode()
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["flashserve_gpu_memory_allocated_bytes"] == 3 * 2**30
     assert values["flashserve_gpu_memory_reserved_bytes"] == 4 * 2**30
+    assert values["flashserve_kv_cache_usage_ratio"] == 0.5
 
 
 # ---- units: the admission queue and the settings -------------------------------------------

@@ -4,10 +4,15 @@ The engine thread owns the ``LLMEngine``: it drains an inbox of new requests and
 steps while there is work, and hands each output to the asyncio loop of the request that waits
 for it. Callers never touch engine state directly.
 
-For the server's health checks and metrics it keeps a heartbeat (the engine thread stamps it on
-every loop iteration, idle waits included), reports each request's timings (``RequestStats``)
-to the callbacks in ``on_finished``, on the request's own event loop, and reads the memory of
-its device (``device_memory``).
+It is the in-process ``EngineClient`` (``flashserve.engine.protocol``): the Python API, and the
+engine of ``build_app(config)`` and of the tests that reach the engine behind a server.
+``flashserve serve`` runs the engine in a process of its own instead (``EngineCoreClient``),
+so that the HTTP front end's Python never competes with the engine loop for one GIL.
+
+For health checks and metrics it keeps a heartbeat (the engine thread stamps it on every loop
+iteration, idle waits included), reports each request's timings (``RequestStats``) to the
+callbacks in ``on_finished``, on the request's own event loop, and gives its gauges as a stats
+snapshot (``stats``), the memory of its device included.
 """
 
 from __future__ import annotations
@@ -19,39 +24,25 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from contextlib import aclosing
 
 import torch
 
 from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import EngineDeadError, LLMEngine, Request
+from flashserve.engine.messages import EngineStats
 from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.protocol import RequestStats, relay
 from flashserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 STEP_FAILED = "the engine failed a step; the server log has the details"
 
 
-@dataclass
-class RequestStats:
-    """One request's timings (``time.monotonic()`` seconds) and token counts."""
-
-    arrival: float
-    first_token: float | None = None
-    finished: float | None = None
-    token_gaps: list[float] = field(default_factory=list)  # inter-token latencies
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    finish_reason: str | None = None  # None: the caller went away before the end
-    last_token: float | None = None
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason in (None, "abort")
-
-
 class AsyncLLM:
-    """``generate()`` yields a ``RequestOutput`` per new token; closing it early aborts."""
+    """``generate()`` yields a ``RequestOutput`` per new token; closing it early aborts.
+
+    An ``EngineClient`` (``flashserve.engine.protocol``): what ``build_app(llm=...)`` serves."""
 
     def __init__(self, config: EngineConfig | None = None):
         self.engine = LLMEngine(config)
@@ -59,7 +50,6 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
-        self.dtype = self.config.dtype
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -110,6 +100,24 @@ class AsyncLLM:
         device = torch.device(self.config.device)
         return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
+    def stats(self) -> EngineStats:
+        """The engine's gauges now: plain ints and floats that the engine thread writes,
+        safe to read from any thread (never mutate)."""
+        engine = self.engine
+        scheduler = engine.scheduler
+        return EngineStats(
+            time=self.last_step_time,
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            kv_usage=engine.block_manager.usage(),
+            preemptions=scheduler.num_preemptions,
+            unfinished=len(engine.requests),
+            gpu_memory=self.device_memory(),
+        )
+
+    def check_text_fits(self, text: str) -> None:
+        self.engine.check_text_fits(text)
+
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(
@@ -127,26 +135,15 @@ class AsyncLLM:
         self._streams[rid] = (asyncio.get_running_loop(), stream)
         stats = RequestStats(arrival, num_prompt_tokens=req.seq.num_prompt_tokens)
         self._post(("add", req))
-        finished = False
-        try:
-            while not finished:
-                when, out = await stream.get()
-                _record(stats, when, out)
-                finished = out.finished
-                yield out
-        finally:
+
+        def close(finished: bool) -> None:
             self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
-            self._report(stats)
 
-    def _report(self, stats: RequestStats) -> None:
-        stats.finished = time.monotonic()
-        for callback in self.on_finished:
-            try:
-                callback(stats)
-            except Exception:  # metrics must never break a request
-                logger.exception("an on_finished callback failed")
+        async with aclosing(relay(stream, stats, self.on_finished, close)) as outputs:
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -229,16 +226,3 @@ class AsyncLLM:
             if target is not None:
                 loop, stream = target
                 loop.call_soon_threadsafe(stream.put_nowait, (now, out))
-
-
-def _record(stats: RequestStats, when: float, out: RequestOutput) -> None:
-    """Fold one output, delivered by the engine at ``when``, into the request's stats."""
-    if out.new_tokens:
-        if stats.first_token is None:
-            stats.first_token = when
-        else:
-            stats.token_gaps.append(when - stats.last_token)
-        stats.last_token = when
-    stats.num_generated_tokens = out.num_generated_tokens
-    if out.finished:
-        stats.finish_reason = out.finish_reason

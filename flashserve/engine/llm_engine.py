@@ -19,6 +19,7 @@ from flashserve.config import EngineConfig
 from flashserve.engine.block_manager import BlockManager
 from flashserve.engine.model_runner import ModelRunner, SampledToken
 from flashserve.engine.outputs import Completion, RequestOutput, TokenOutput
+from flashserve.engine.prompts import PromptChecker
 from flashserve.engine.scheduler import Scheduler
 from flashserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from flashserve.engine.step_pipeline import EngineDeadError, StepPipeline, StepResult
@@ -63,6 +64,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(self.config, loaded.model, loaded.config)
         self.max_model_len = self.runner.max_model_len
+        self.prompts = PromptChecker(self.tokenizer, loaded.config.vocab_size, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.pipeline = StepPipeline(self.config, self.scheduler, self.runner)
@@ -76,14 +78,7 @@ class LLMEngine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         """Tokenize and validate; raises ValueError naming the problem. Changes no state."""
-        ids = self._prompt_ids(prompt)
-        total = len(ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens and max_new_tokens is "
-                f"{params.max_new_tokens}: together {total}, over the context length of "
-                f"{self.max_model_len} tokens"
-            )
+        ids = self.prompts.checked_ids(prompt, params)
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**63))
         seq = Sequence(ids, params)
@@ -92,39 +87,8 @@ class LLMEngine:
         return Request(request_id or uuid.uuid4().hex, seq, detok, stops)
 
     def check_text_fits(self, text: str) -> None:
-        """Raise ValueError if ``text`` has more tokens than the context holds, judged from its
-        length alone (no token stands for more than ``max_token_chars`` characters): cheap
-        enough to run before admission, where tokenizing megabytes would take seconds."""
-        least = self.tokenizer.min_tokens(text)
-        if least > self.max_model_len:
-            raise ValueError(
-                f"the prompt has at least {least} tokens ({len(text)} characters), over "
-                f"the context length of {self.max_model_len} tokens"
-            )
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids; text longer than the context could hold is refused before
-        it is tokenized (which, for megabytes, takes seconds)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt must not be empty")
-            self.check_text_fits(prompt)
-            ids = self.tokenizer.encode(prompt)
-            # a tokenizer whose added tokens pass the model's embedding rows would make the
-            # device index out of bounds (on CUDA, an assert that ends the process)
-            if ids and max(ids) >= self.model_config.vocab_size:
-                raise ValueError(f"the tokenizer gave id {max(ids)}, which the model's "
-                                 f"{self.model_config.vocab_size} embeddings lack")  # fmt: skip
-        else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < vocab]  # fmt: skip
-            if bad:
-                raise ValueError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        if not ids:
-            raise ValueError("the prompt must not be empty")
-        return ids
+        """``PromptChecker.check_text_fits``: ValueError if ``text`` cannot fit the context."""
+        self.prompts.check_text_fits(text)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
