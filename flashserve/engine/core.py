@@ -85,7 +85,7 @@ def run_core(
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     _exit_with_parent(addresses.directory)
-    _limit_torch_threads()
+    _limit_torch_threads(config)
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # the front end prints it and exits, as before the split
@@ -102,15 +102,15 @@ def run_core(
     core.run()
 
 
-def _limit_torch_threads() -> None:
-    """One intra-op thread for torch, unless OMP_NUM_THREADS (which torch reads) says how many,
-    as vLLM does in its worker processes. torch's default, one per CPU, made the loop of this
-    process's main thread 15x slower on the 2-vCPU build machine under load: dummy:tiny decoded
-    at 25-36 ms a token instead of 1.7 ms, and the default model prefilled 2,000 tokens in
-    19.9 s instead of 8.3 s (the engine thread of the in-process server: 1.7 ms and 8.6 s).
-    On a GPU the host's torch work is small tensors, where more threads only contend with the
-    front end."""
-    if "OMP_NUM_THREADS" not in os.environ:
+def _limit_torch_threads(config: EngineConfig) -> None:
+    """On a GPU, one intra-op thread for torch unless OMP_NUM_THREADS (which torch reads) says
+    how many, as vLLM does in its worker processes: the host's torch work there is small
+    tensors, where more threads only contend with the front end (on the 2-vCPU build machine
+    under load, torch's default made this loop 15x slower: dummy:tiny at 25-36 ms a token
+    instead of 1.7). On a CPU the model's matmuls are the work and want every core: with one
+    thread the default model took 6.9 s to its first token of an 1,800-token prompt over HTTP
+    against 3.9 s with two (2-vCPU machine, otherwise idle; transformers: 3.4 s)."""
+    if config.is_cuda and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
         torch.set_num_threads(1)
