@@ -47,7 +47,15 @@ WITH_PENALTIES = [
 
 
 def _llm(**kwargs) -> LLM:
-    given = {"max_num_seqs": 16, "max_kv_tokens": 8192, "async_scheduling": False, **kwargs}
+    """Eager unless a test installs ``_with_cpu_graphs``: on CUDA the real graphs would replay
+    without calling the model's ``forward`` in Python."""
+    given = {
+        "max_num_seqs": 16,
+        "max_kv_tokens": 8192,
+        "async_scheduling": False,
+        "enforce_eager": True,
+        **kwargs,
+    }
     return LLM(EngineConfig(model="dummy:tiny", **given))
 
 
