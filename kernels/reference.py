@@ -42,14 +42,20 @@ def linear(
 
 
 def rms_norm(
-    x: torch.Tensor,  # [T, H]
+    x: torch.Tensor,  # [..., H]
     weight: torch.Tensor,  # [H]
     eps: float,
-) -> torch.Tensor:  # [T, H]
+    unit_offset: bool = False,
+) -> torch.Tensor:  # [..., H]
     """``weight * x / sqrt(mean(x^2) + eps)``: normalised in float32, cast back to ``x``'s dtype,
-    then scaled by ``weight``."""
+    then scaled by ``weight`` (Llama's rounding).
+
+    unit_offset: Gemma's norm, ``(1 + weight) * x / sqrt(...)``, the scaling done in float32
+    before the cast (Gemma's rounding)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -58,10 +64,11 @@ def add_rms_norm(
     residual: torch.Tensor,  # [T, H], the residual stream before it
     weight: torch.Tensor,  # [H]
     eps: float,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + x), residual + x
     """The residual add of a sublayer and the RMSNorm of the next one."""
     residual = residual + x
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, unit_offset), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
@@ -70,15 +77,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """Gemma's gate: ``gelu_tanh(x[:, :I]) * x[:, I:]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def apply_rope(
     x: torch.Tensor,  # [T, H, D]
-    cos: torch.Tensor,  # [T, 1, D/2]
-    sin: torch.Tensor,  # [T, 1, D/2]
+    cos: torch.Tensor,  # [T, 1, R/2], R <= D the rotated dims
+    sin: torch.Tensor,  # [T, 1, R/2]
 ) -> torch.Tensor:  # [T, H, D]
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` (the two halves of
-    the head dim rotate together, as in Hugging Face's Llama)."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    the rotated dims turn together, as in Hugging Face's Llama) over the first ``R`` dims of
+    each head; the rest pass through (partial rotary, Phi's ``partial_rotary_factor``)."""
+    r = 2 * cos.shape[-1]
+    x1, x2 = x[..., : r // 2], x[..., r // 2 : r]  # [T, H, R/2] each
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    return torch.cat((*rotated, x[..., r:]), dim=-1)
 
 
 def rope_write_kv(
@@ -91,13 +107,26 @@ def rope_write_kv(
     slot_mapping: torch.Tensor,  # [T] int64; -1 marks a padding token that is not stored
     num_heads: int,
     num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,  # [D]: RMSNorm each query head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None,  # [D]: the same for each key head
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,  # the q/k norms are Gemma's ``(1 + w)`` norms
 ) -> torch.Tensor:  # [T, Hq, D], the rotated queries
-    """Rotate the queries and keys of a step by their positions and store K and V in the cache."""
+    """Rotate the queries and keys of a step by their positions and store K and V in the cache.
+
+    The tables may be narrower than the head (``[P, R/2]``, ``R < D``): then only the first
+    ``R`` dims of each head rotate. With ``q_norm``/``k_norm``, each head is RMS-normalised over
+    its ``D`` dims first (``rms_norm``'s rounding)."""
     t, d = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2]
-    q = apply_rope(q.view(t, num_heads, d), c, s)
-    k = apply_rope(k.view(t, num_kv_heads, d), c, s)
+    q, k = q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, norm_eps, norm_unit_offset)
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, norm_eps, norm_unit_offset)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, R/2]
+    q = apply_rope(q, c, s)
+    k = apply_rope(k, c, s)
     write_kv(k, v.view(t, num_kv_heads, d), k_cache, v_cache, slot_mapping)
     return q
 
@@ -134,9 +163,15 @@ def attention(
     v: torch.Tensor,  # [Tk, Hkv, D]
     scale: float,
     causal: bool = True,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [Tq, Hq, D], lse [Tq, Hq]
     """Attention of one sequence's queries, the last ``Tq`` of its ``Tk`` positions.
 
+    window: when > 0, the query at position ``p`` sees only keys ``p - window < j <= p``
+    (Hugging Face's sliding window: the query's own position and ``window - 1`` before it).
+    softcap: when > 0, the scaled scores become ``softcap * tanh(score / softcap)`` (Gemma 2's
+    attention logit soft-capping), before the mask and the softmax; the LSE is of those.
     Computed in float32, or float64 when the inputs are float64.
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -147,13 +182,26 @@ def attention(
     kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tk, D]
     vf = v.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Tq, Tk]
-    if causal:
-        q_pos = torch.arange(tk - tq, tk, device=q.device)[:, None]
-        k_pos = torch.arange(tk, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal or window > 0:
+        scores = scores.masked_fill(~_visible(tq, 0, tk, window, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, Tq]
     out = torch.matmul(torch.exp(scores - lse[..., None]), vf)  # [Hq, Tq, D]
     return out.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _visible(
+    tq: int, k_start: int, tk: int, window: int, device: torch.device
+) -> torch.Tensor:  # [Tq, Tk - k_start] bool
+    """Which keys ``k_start .. tk-1`` each of the last ``tq`` of ``tk`` positions sees: causal,
+    and within ``window`` when it is > 0."""
+    q_pos = torch.arange(tk - tq, tk, device=device)[:, None]
+    k_pos = torch.arange(k_start, tk, device=device)[None, :]
+    seen = k_pos <= q_pos
+    if window > 0:
+        seen &= k_pos > q_pos - window
+    return seen
 
 
 def sdpa_attention(
@@ -162,8 +210,10 @@ def sdpa_attention(
     v: torch.Tensor,  # [Tk, Hkv, D]
     scale: float,
     q_block: int = 256,
+    window: int = 0,
 ) -> torch.Tensor:  # [Tq, Hq, D] float32
-    """``attention(q, k, v, scale, causal=True)[0]`` (no LSE) through SDPA, in float32.
+    """``attention(q, k, v, scale, causal=True, window=window)[0]`` (no LSE) through SDPA, in
+    float32.
 
     SDPA's ``is_causal`` aligns the mask top-left, which equals our bottom-right one only when
     ``Tq == Tk``; a single query sees every key. A chunk over cached context (``1 < Tq < Tk``)
@@ -172,17 +222,21 @@ def sdpa_attention(
     query sees: the work left masked is ``Tq * q_block / 2`` scores, not ``Tq^2 / 2``. The
     three 2,048-token chunks of a 6,000-token prompt (9/3 heads of 64, 2 CPU cores): 0.89 CPU-s
     per layer with one masked call per chunk, 0.79 / 0.73 / 0.70 / 0.74 with blocks of 1,024 /
-    512 / 256 / 128 queries, 0.63 for the whole prompt in one causal call.
+    512 / 256 / 128 queries, 0.63 for the whole prompt in one causal call. With a ``window``,
+    each block reads only the keys from its first query's window on.
     """
     tq, tk = q.shape[0], k.shape[0]
-    if tq == tk or tq == 1:
-        return _sdpa(q, k, v, scale, causal=tq > 1)
+    if window <= 0 or window >= tk:
+        if tq == tk or tq == 1:
+            return _sdpa(q, k, v, scale, causal=tq > 1)
+        window = 0
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for s in range(0, tq, q_block):
         e = min(tq, s + q_block)
         seen = tk - tq + e  # keys that the block's last query sees
-        mask = torch.ones(e - s, seen, dtype=torch.bool, device=q.device).tril(seen - (e - s))
-        out[s:e] = _sdpa(q[s:e], k[:seen], v[:seen], scale, mask=mask)
+        first = max(0, tk - tq + s - window + 1) if window > 0 else 0
+        mask = _visible(e - s, first, seen, window, q.device)
+        out[s:e] = _sdpa(q[s:e], k[first:seen], v[first:seen], scale, mask=mask)
     return out
 
 
@@ -213,13 +267,17 @@ def decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    window: int = 0,
+    softcap: float = 0.0,
 ):
-    """One query token per sequence attending to all of its cached tokens."""
+    """One query token per sequence attending to its cached tokens (the last ``window`` of
+    them when ``window`` > 0)."""
     del max_seq_len  # a hint for the kernels' split heuristic; the reference needs none
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return prefill_attention(
-        q, k_cache, v_cache, cu, seq_lens, block_tables, scale, out=out, return_lse=return_lse
-    )
+        q, k_cache, v_cache, cu, seq_lens, block_tables, scale, out=out,
+        return_lse=return_lse, window=window, softcap=softcap,
+    )  # fmt: skip
 
 
 def prefill_attention(
@@ -234,12 +292,15 @@ def prefill_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    window: int = 0,
+    softcap: float = 0.0,
 ):
     """Causal attention of each chunk over its sequence's cached context plus itself.
 
     The chunk's own K/V must already be in the cache. Query ``i`` of a chunk of length ``n``
-    sits at position ``seq_len - n + i`` and sees positions ``<= `` that. The explicit math
-    (``attention``) runs when the LSE or float64 is asked for, SDPA (``sdpa_attention``) else.
+    sits at position ``p = seq_len - n + i`` and sees positions ``<= p`` (and ``> p - window``
+    when ``window`` > 0; ``softcap`` as in ``attention``). The explicit math (``attention``)
+    runs when the LSE, float64 or soft-capping is asked for, SDPA (``sdpa_attention``) else.
     """
     del max_query_len, max_seq_len
     if out is None:
@@ -247,7 +308,7 @@ def prefill_attention(
     lse_all = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
-    explicit = return_lse or q.dtype == torch.float64  # else the same math through SDPA
+    explicit = return_lse or softcap > 0 or q.dtype == torch.float64  # else through SDPA
     for b in range(len(lens)):
         qs = q[cu[b] : cu[b + 1]]
         if qs.shape[0] == 0:
@@ -255,9 +316,10 @@ def prefill_attention(
         k = gather_kv(k_cache, block_tables[b], lens[b])
         v = gather_kv(v_cache, block_tables[b], lens[b])
         if not explicit:
-            out[cu[b] : cu[b + 1]] = sdpa_attention(qs, k, v, scale).to(out.dtype)
+            o = sdpa_attention(qs, k, v, scale, window=window)
+            out[cu[b] : cu[b + 1]] = o.to(out.dtype)
             continue
-        o, lse = attention(qs, k, v, scale, causal=True)
+        o, lse = attention(qs, k, v, scale, causal=True, window=window, softcap=softcap)
         out[cu[b] : cu[b + 1]] = o.to(out.dtype)
         if return_lse:
             if lse.dtype == torch.float64 and lse_all.dtype != torch.float64:

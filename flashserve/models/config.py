@@ -69,6 +69,19 @@ class ModelConfig:
         self.rope_scaling = _normalize_rope(self.rope_scaling, self.head_dim)
 
     @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window in tokens (a query sees its own position and
+        ``window - 1`` before it); 0 for a layer with full attention."""
+        return (self.sliding_window or 0,) * self.num_hidden_layers
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer shares, so a sequence needs only its last ``kv_window``
+        tokens' KV; 0 when any layer attends to the whole context."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else 0
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
