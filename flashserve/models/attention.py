@@ -45,6 +45,7 @@ BACKEND_OPS = (
     "rms_norm",
     "add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "rope_write_kv",
     "decode_attention",
     "prefill_attention",
@@ -67,6 +68,7 @@ class AttentionBackend(ABC):
     rms_norm: Op  # (x [T, H], weight [H], eps) -> [T, H]
     add_rms_norm: Op  # (x, residual, weight, eps) -> (normed [T, H], new residual [T, H])
     silu_and_mul: Op  # [T, 2I] -> [T, I]
+    gelu_tanh_and_mul: Op  # [T, 2I] -> [T, I]
     rope_write_kv: Op  # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv) -> q
     decode_attention: Op  # one query token per sequence over its paged KV
     prefill_attention: Op  # causal chunks over their cached context plus themselves
@@ -162,6 +164,7 @@ class TritonBackend(AttentionBackend):
         super().__init__()
 
     def _ops(self) -> dict[str, Op]:
+        from kernels import reference
         from kernels.activation import silu_and_mul
         from kernels.decode import decode_attention
         from kernels.gemv import linear
@@ -173,7 +176,9 @@ class TritonBackend(AttentionBackend):
                    "silu_and_mul": silu_and_mul, "rope_write_kv": rope_write_kv,
                    "decode_attention": decode_attention}  # fmt: skip
         ops = {name: partial(fn, chain=self.pdl_chain) for name, fn in chained.items()}
-        return {**ops, "prefill_attention": prefill_attention}
+        unchained = {"prefill_attention": prefill_attention,
+                     "gelu_tanh_and_mul": reference.gelu_tanh_and_mul}  # fmt: skip
+        return {**ops, **unchained}
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
@@ -214,11 +219,14 @@ def _metadata(*, slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tens
 class PagedAttention:
     """Attention of one layer over its paged KV cache, with the backend chosen at start-up."""
 
-    def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int, scale: float):
+    def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int,
+                 scale: float, window: int = 0, softcap: float = 0.0):  # fmt: skip
         self.ops = backend
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.window = window  # > 0: a sliding window of this many tokens (this layer's)
+        self.softcap = softcap  # > 0: attention logit soft-capping
 
     def __call__(
         self,
@@ -245,6 +253,8 @@ class PagedAttention:
                 self.scale,
                 max_seq_len=meta.max_decode_seq_len,
                 out=out[:nd],
+                window=self.window,
+                softcap=self.softcap,
             )
         if meta.num_prefill_tokens:
             self.ops.prefill_attention(
@@ -258,5 +268,7 @@ class PagedAttention:
                 max_query_len=meta.max_prefill_query_len,
                 max_seq_len=meta.max_prefill_seq_len,
                 out=out[nd:],
+                window=self.window,
+                softcap=self.softcap,
             )
         return out

@@ -53,14 +53,18 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
         self.ops = backend
         sizes = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, sizes, config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, config.attention_out_bias)
         self.attn = PagedAttention(
-            backend, config.num_attention_heads, config.num_key_value_heads, config.head_dim**-0.5
+            backend,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim**-0.5,
+            window=config.layer_windows[layer],
         )
 
     def forward(
@@ -91,10 +95,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.mlp = LlamaMLP(config, backend)
 
@@ -121,7 +125,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.rotary_emb = RotaryEmbedding(config)
