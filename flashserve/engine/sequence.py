@@ -57,7 +57,7 @@ class Sequence:
         # leading block_table entries whose blocks went back to the pool: every position in
         # them is left of the sliding window of the next token (``BlockManager.release``).
         # Their ids stay, so that entry i still covers positions i*BS .. i*BS+BS-1, but this
-        # sequence no longer owns them; nothing reads them (the kernels start at the window)
+        # sequence no longer owns them; attention reads from the window's first block on
         self.num_released_blocks = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error"
