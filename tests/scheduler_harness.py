@@ -1,8 +1,11 @@
 """A fake engine that drives the Scheduler as the real one does, checking invariants each step.
 
-It writes each computed token into a fake paged KV cache through the block table
-and, whenever a sequence samples, checks that every earlier token of it is still in its blocks,
-so a block handed to two sequences or a wrong table shows up as a wrong token.
+It writes each computed token into a fake paged KV cache through the block table and checks
+that every token a step reads is still in its blocks (all earlier tokens; with a sliding
+``window``, those of the window), so a block handed to two sequences, a wrong table or a block
+released while still in the window shows up as a wrong token. With a window it also checks that
+each sequence holds exactly the blocks from its window's first one on, no more than
+``peak_blocks``.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ def token(seq_id: int, pos: int) -> int:
 class FakeEngine:
     """Drives a Scheduler as the engine does, checking its invariants at every step."""
 
-    def __init__(self, num_blocks: int, **config):
+    ahead = 0  # steps queued ahead of the host (blocks grown for them)
+
+    def __init__(self, num_blocks: int, window: int = 0, **config):
         self.config = EngineConfig(device="cpu", **config)
-        self.bm = BlockManager(num_blocks, self.config.block_size)
+        self.bm = BlockManager(num_blocks, self.config.block_size, window)
+        self.window = window
         self.sched = Scheduler(self.config, self.bm)
         self.kv: dict[tuple[int, int], tuple[int, int, int]] = {}  # (block, slot) -> written
         self.order: dict[int, int] = {}  # seq_id -> arrival rank
@@ -109,12 +115,34 @@ class FakeEngine:
         ids = seq.token_ids
         for pos in range(start, start + seq.num_scheduled_tokens):
             self.kv[(seq.block_table[pos // bs], pos % bs)] = (seq.seq_id, pos, ids[pos])
+        self._check_kv(seq, start, start + seq.num_scheduled_tokens)
 
-    def _check_kv(self, seq: Sequence) -> None:
+    def _first_read(self, pos: int) -> int:
+        """The first position a token at ``pos`` reads."""
+        return max(0, pos - self.window + 1) if self.window else 0
+
+    def _check_kv(self, seq: Sequence, start: int | None = None, end: int | None = None) -> None:
+        """The tokens that computing positions ``start .. end - 1`` reads (default: the last
+        token) are in ``seq``'s blocks."""
+        end = seq.num_tokens if end is None else end
+        start = end - 1 if start is None else start
         bs = self.bm.block_size
-        for pos, tok in enumerate(seq.token_ids):
+        ids = seq.token_ids
+        for pos in range(self._first_read(start), end):
             got = self.kv.get((seq.block_table[pos // bs], pos % bs))
-            assert got == (seq.seq_id, pos, tok), f"{seq}: KV at position {pos} is {got}"
+            assert got == (seq.seq_id, pos, ids[pos]), f"{seq}: KV at position {pos} is {got}"
+
+    def _check_held(self, seq: Sequence) -> None:
+        """``seq`` owns its table's blocks from the first one its next token reads on (all of
+        them without a window), and with a window no more than a window and a step need
+        (``ahead`` more tokens' worth while a look-ahead step may hold a block more)."""
+        bs = self.bm.block_size
+        first = min(self._first_read(seq.num_computed_tokens) // bs, len(seq.block_table))
+        assert seq.num_released_blocks == first, f"{seq}: {seq.num_released_blocks} released"
+        if self.window:
+            n, c = seq.num_tokens + self.ahead, self.config.max_num_batched_tokens
+            peak = self.bm.peak_blocks(n, c) + self.ahead
+            assert len(seq.held_blocks) <= peak, f"{seq} holds more than {peak} blocks"
 
     def _check_output(self, out: SchedulerOutput, running_before: tuple[Sequence, ...]) -> None:
         cfg = self.config
@@ -146,8 +174,9 @@ class FakeEngine:
 
     def _check_pool(self) -> None:
         """Blocks: running sequences own disjoint tables covering their tokens, the rest free."""
-        held = [b for s in self.sched.running for b in s.block_table]
+        held = [b for s in self.sched.running for b in s.held_blocks]
         assert len(held) == len(set(held)) == self.bm.num_blocks - self.bm.num_free_blocks
+        assert all(self.bm.ref_count(b) == 1 for b in held)
         assert all(s.block_table == [] for s in self.sched.waiting)
         ranks = [self.order[s.seq_id] for s in self.sched.running + self.sched.waiting]
         assert ranks == sorted(ranks), "running then waiting must stay in arrival order"
@@ -157,6 +186,7 @@ class FakeEngine:
         for seq in self.sched.running:
             need = self.bm.num_blocks_for(seq.num_computed_tokens + seq.num_scheduled_tokens)
             assert len(seq.block_table) >= need
+            self._check_held(seq)
 
 
 class AsyncFakeEngine(FakeEngine):
@@ -166,6 +196,8 @@ class AsyncFakeEngine(FakeEngine):
     step (writes its KV) when it is queued, in queue order, as the real one does on its stream.
     A token stops its sequence with probability ``stop_prob`` (as EOS or a stop string would);
     each step a running sequence is aborted with probability ``abort_prob``."""
+
+    ahead = 1
 
     def __init__(self, num_blocks: int, stop_prob: float = 0.0, abort_prob: float = 0.0,
                  **config):  # fmt: skip
@@ -196,6 +228,7 @@ class AsyncFakeEngine(FakeEngine):
             for seq in nxt.seqs:
                 pos = seq.num_tokens  # prev's token, not appended yet: its value is known here
                 self._write_slot(seq, pos, token(seq.seq_id, pos))
+                self._check_ahead_reads(seq, pos)
             self.aheads.append(nxt)
         self._collect(prev)
         self.in_flight = nxt
@@ -261,13 +294,24 @@ class AsyncFakeEngine(FakeEngine):
             assert (seq in nxt.seqs) == (not self._ends(seq)), seq
         for seq in nxt.seqs:
             assert len(seq.block_table) >= self.bm.num_blocks_for(seq.num_tokens + 1)
-        held = [b for s in self.sched.running for b in s.block_table]
+        for seq in self.sched.running:
+            self._check_held(seq)
+        held = [b for s in self.sched.running for b in s.held_blocks]
         assert len(held) == len(set(held)) == self.bm.num_blocks - self.bm.num_free_blocks
 
     def _write_kv(self, seq: Sequence) -> None:
         ids, start = seq.token_ids, seq.num_computed_tokens
         for pos in range(start, start + seq.num_scheduled_tokens):
             self._write_slot(seq, pos, ids[pos])
+        self._check_kv(seq, start, start + seq.num_scheduled_tokens)
+
+    def _check_ahead_reads(self, seq: Sequence, pos: int) -> None:
+        """What the look-ahead step computing ``pos`` (its token not appended) reads."""
+        bs = self.bm.block_size
+        ids = seq.token_ids + [token(seq.seq_id, pos)]
+        for p in range(self._first_read(pos), pos + 1):
+            got = self.kv.get((seq.block_table[p // bs], p % bs))
+            assert got == (seq.seq_id, p, ids[p]), f"{seq}: KV at position {p} is {got}"
 
     def _write_slot(self, seq: Sequence, pos: int, tok: int) -> None:
         bs = self.bm.block_size

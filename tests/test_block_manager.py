@@ -1,4 +1,5 @@
-"""BlockManager: block tables, reference counts, exhaustion and misuse."""
+"""BlockManager: block tables, reference counts, exhaustion, misuse, and blocks given back as
+they fall left of a sliding window."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from flashserve.engine.block_manager import BlockError, BlockManager
+from flashserve.engine.block_manager import BlockError, BlockManager, peak_blocks
 from flashserve.engine.sequence import Sequence
 
 
@@ -18,7 +19,7 @@ def _assert_consistent(bm: BlockManager, seqs: list[Sequence]) -> None:
     """Every block is either free or held, and its ref count is its number of holders."""
     holders = [0] * bm.num_blocks
     for s in seqs:
-        for b in s.block_table:
+        for b in s.held_blocks:
             holders[b] += 1
     for b in range(bm.num_blocks):
         assert bm.ref_count(b) == holders[b], f"block {b}: ref {bm.ref_count(b)} vs {holders[b]}"
@@ -149,3 +150,87 @@ def test_misuse_is_caught() -> None:
         bm.share(_seq(4), [8])
     with pytest.raises(ValueError):
         BlockManager(0, 4)
+    with pytest.raises(ValueError, match="window"):
+        BlockManager(8, 4, window=-1)
+
+
+# ---- sliding windows -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 33])
+def test_release_follows_the_window(block_size: int, window: int) -> None:
+    """Decoding token by token past the window: after each token, exactly the blocks wholly
+    left of the next token's window (positions < computed - window + 1) are back in the pool,
+    their table entries keep their ids, and the sequence holds at most ``peak_blocks``."""
+    bm = BlockManager(256, block_size, window)  # no block is reused: all released ones are free
+    other = _seq(3)  # a second sequence keeps its blocks throughout
+    bm.allocate(other, 3)
+    seq = _seq(1)
+    for _ in range(6 * window + 2 * block_size):
+        bm.allocate(seq, 1)
+        table = list(seq.block_table)
+        seq.num_computed_tokens += 1
+        seq.append_token(random.randrange(1000))
+        released_before = seq.num_released_blocks
+        gave = bm.release(seq)
+        keep_from = max(0, seq.num_computed_tokens - window + 1) // block_size
+        assert seq.num_released_blocks == keep_from == released_before + gave
+        assert seq.block_table == table, "released entries must keep their ids"
+        assert all(bm.ref_count(b) == 0 for b in table[:keep_from])
+        assert all(bm.ref_count(b) == 1 for b in seq.held_blocks)
+        assert len(seq.held_blocks) <= bm.peak_blocks(seq.num_tokens, 1)
+        _assert_consistent(bm, [seq, other])
+        assert bm.release(seq) == 0, "a second release gives nothing"
+    assert bm.usage() == (len(seq.held_blocks) + len(other.block_table)) / 256
+    bm.free(seq)
+    bm.free(other)
+    assert bm.num_free_blocks == 256 and seq.num_released_blocks == 0 and seq.block_table == []
+
+
+def test_release_after_chunks_and_reuse() -> None:
+    """Prefill chunks of 6 tokens, window 8, blocks of 4: the blocks given back are reused by
+    another sequence while the first one's table still names them (a positional table)."""
+    bm = BlockManager(6, 4, window=8)
+    seq = _seq(30)
+    released = []
+    for start in range(0, 30, 6):
+        bm.allocate(seq, 6)
+        seq.num_computed_tokens = start + 6
+        bm.release(seq)
+        released.append(seq.num_released_blocks)
+    # computed 6, 12, 18, 24, 30 -> first position read next 0, 5, 11, 17, 23 -> blocks 0,1,2,4,5
+    assert released == [0, 1, 2, 4, 5]
+    assert len(seq.block_table) == 8 and len(seq.held_blocks) == 3
+    other = _seq(12)
+    bm.allocate(other, 12)  # the 3 free blocks, some of them named in seq's released entries
+    assert set(other.block_table) & set(seq.block_table[:5])
+    _assert_consistent(bm, [seq, other])
+    bm.free(seq)
+    assert bm.num_free_blocks == 3 and all(bm.ref_count(b) == 1 for b in other.block_table)
+    _assert_consistent(bm, [other])
+
+
+def test_no_window_releases_nothing() -> None:
+    bm = BlockManager(16, 4)
+    seq = _seq(40)
+    bm.allocate(seq, 40)
+    seq.num_computed_tokens = 40
+    assert bm.release(seq) == 0 and seq.num_released_blocks == 0
+    assert bm.peak_blocks(40, 8) == 10 == peak_blocks(40, 4, 0, 8)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16])
+@pytest.mark.parametrize("window", [1, 3, 16, 21])
+@pytest.mark.parametrize("step", [1, 5, 16])
+def test_peak_blocks_is_the_exact_maximum(block_size: int, window: int, step: int) -> None:
+    """``peak_blocks`` against brute force: the most blocks any step of at most ``step``
+    tokens from any start holds (from the block of its first position read to that of its
+    last position), over sequences of every length up to 120."""
+    for num_tokens in range(1, 120):
+        most = 0
+        for s in range(num_tokens):
+            for n in range(1, min(step, num_tokens - s) + 1):
+                first = max(0, s - window + 1) // block_size
+                most = max(most, (s + n - 1) // block_size - first + 1)
+        assert peak_blocks(num_tokens, block_size, window, step) == most, num_tokens

@@ -12,6 +12,7 @@ import random
 import pytest
 from scheduler_harness import FakeEngine, token
 
+from flashserve.engine.block_manager import peak_blocks
 from flashserve.engine.sequence import SequenceStatus
 
 
@@ -60,6 +61,30 @@ def test_random_workload_with_preemption(trial: int) -> None:
     eng.check_all_done()
     assert sum(len(out.preempted) for out in eng.outputs) > 0
     assert sum(s.num_preemptions for s in eng.seqs) == sum(len(o.preempted) for o in eng.outputs)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_random_windowed_workload_longer_than_the_pool(trial: int) -> None:
+    """Every layer windowed: in a pool a little larger than what one sequence holds at once,
+    sequences many times longer than the pool all finish with their tokens. The harness checks
+    at every step that each read of the window finds its token and that each sequence holds
+    exactly the blocks from its window's first one on; the short pool forces preemptions."""
+    bs = random.choice([1, 4, 16])
+    window = random.choice([1, 7, 16, 40])
+    budget = random.choice([4, 16, 64])
+    arrivals = _random_arrivals(random.randint(8, 20), 300, 200, spread=30)
+    eng = FakeEngine(
+        peak_blocks(10**6, bs, window, budget) + random.randint(0, 3),
+        window=window,
+        block_size=bs,
+        max_num_seqs=random.choice([2, 4, 32]),
+        max_num_batched_tokens=budget,
+    )
+    longest = max(_need(arrivals, bs))
+    eng.run(arrivals)
+    eng.check_all_done()
+    assert not eng.errored
+    assert longest > eng.bm.num_blocks, "no sequence outgrew the pool"
 
 
 def test_max_num_seqs_one_runs_one_at_a_time() -> None:

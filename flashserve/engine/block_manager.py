@@ -5,6 +5,15 @@ Pure Python, no tensors. A block is an index into the per-layer K/V pools; a seq
 ``i % block_size`` of block ``block_table[i // block_size]``. Blocks carry reference counts so
 that several sequences can share a full block (a common prefix); a block returns to the free
 list when its count drops to zero.
+
+When every layer of the model attends over a sliding window of ``W`` tokens (``window``), a
+token at position ``p`` reads keys ``p - W + 1 .. p`` only, and a prefill chunk starting at
+``s`` reads from ``s - W + 1`` on. So once a sequence has computed ``c`` tokens, no later step
+reads a block wholly left of position ``c - W + 1``: ``release`` gives such blocks back to the
+pool as the sequence grows, and a sequence holds O(W) blocks however long it gets
+(``peak_blocks``). Its table keeps its positional meaning: released entries keep their (now
+foreign) ids, valid indices into the pool that no kernel reads, and
+``seq.num_released_blocks`` says how many leading entries the sequence no longer owns.
 """
 
 from __future__ import annotations
@@ -26,15 +35,37 @@ def _check(ok: bool, message: str) -> None:
         raise BlockError(message)
 
 
-class BlockManager:
-    """A free list of KV blocks plus a reference count per block."""
+def peak_blocks(num_tokens: int, block_size: int, window: int, max_step_tokens: int) -> int:
+    """The most blocks a sequence of up to ``num_tokens`` tokens holds at once, when a step
+    computes at most ``max_step_tokens`` of its tokens and every layer's window is ``window``
+    (0: full attention, so all its blocks).
 
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-                             f"{block_size}")  # fmt: skip
+    With a window ``W``, a step computing ``n`` tokens from position ``s`` holds the blocks of
+    positions ``s - W + 1 .. s + n - 1``: at most ``L = W - 1 + n`` consecutive positions, which
+    touch at most ``(L + BS - 2) // BS + 1`` blocks (one more than ``L / BS`` when they
+    straddle block boundaries). E.g. W = 4096, 2,048-token steps, BS = 16: 385 blocks.
+    """
+    full = -(-num_tokens // block_size)
+    if window <= 0:
+        return full
+    span = window - 1 + max_step_tokens
+    return min(full, (span + block_size - 2) // block_size + 1)
+
+
+class BlockManager:
+    """A free list of KV blocks plus a reference count per block.
+
+    ``window``: the sliding window every layer of the model shares (``ModelConfig.kv_window``),
+    0 when some layer attends over the whole context: then nothing is released early.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0):
+        if num_blocks < 1 or block_size < 1 or window < 0:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1 and window >= 0, got "
+                             f"{num_blocks}, {block_size}, {window}")  # fmt: skip
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
         self._ref_counts = [0] * num_blocks
         # FIFO: a freed block goes to the back, so recently freed blocks are reused last
         self._free: deque[int] = deque(range(num_blocks))
@@ -55,12 +86,17 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
+    def peak_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
+        """``peak_blocks`` under this pool's block size and window."""
+        return peak_blocks(num_tokens, self.block_size, self.window, max_step_tokens)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks ``seq`` must gain to hold its computed tokens plus ``num_new_tokens``."""
         return self.blocks_to_hold(seq, seq.num_computed_tokens + num_new_tokens)
 
     def blocks_to_hold(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks ``seq`` must gain for its table to hold ``num_tokens`` tokens."""
+        """Blocks ``seq`` must gain for its table to hold ``num_tokens`` tokens (released
+        entries count: they stand for positions the table already covers)."""
         return max(0, self.num_blocks_for(num_tokens) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -93,6 +129,23 @@ class BlockManager:
             self._ref_counts[block_id] += 1
             seq.block_table.append(block_id)
 
+    def release(self, seq: Sequence) -> int:
+        """Give back the blocks of ``seq`` that no later step reads, those wholly left of the
+        window of its next token (position ``num_computed_tokens``); how many it gave back.
+
+        Call it once the counters of a step are updated: a step still to run computes a later
+        position, so it reads none of them. Nothing happens without a window.
+        """
+        if not self.window:
+            return 0
+        first_read = max(0, seq.num_computed_tokens - self.window + 1)
+        keep_from = min(first_read // self.block_size, len(seq.block_table))
+        start = seq.num_released_blocks
+        for block_id in seq.block_table[start:keep_from]:
+            self._drop_ref(seq, block_id)
+        seq.num_released_blocks = max(start, keep_from)
+        return max(0, keep_from - start)
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks and clear its block table.
 
@@ -100,12 +153,18 @@ class BlockManager:
         already free: the pool is never silently corrupted.
         """
         _check(bool(seq.block_table), f"{seq} holds no blocks: freed twice?")
-        for block_id, count in Counter(seq.block_table).items():
+        held = seq.held_blocks
+        for block_id, count in Counter(held).items():
             _check(0 <= block_id < self.num_blocks, f"block {block_id} is not in the pool")
             _check(self._ref_counts[block_id] >= count, f"{seq}: block {block_id} is already free")
         # tail blocks first: a prompt's head blocks are reused last (useful to prefix caching)
-        for block_id in reversed(seq.block_table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+        for block_id in reversed(held):
+            self._drop_ref(seq, block_id)
         seq.block_table.clear()
+        seq.num_released_blocks = 0
+
+    def _drop_ref(self, seq: Sequence, block_id: int) -> None:
+        _check(self._ref_counts[block_id] > 0, f"{seq}: block {block_id} is already free")
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free.append(block_id)

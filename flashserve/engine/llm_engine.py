@@ -65,7 +65,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, loaded.model, loaded.config)
         self.max_model_len = self.runner.max_model_len
         self.prompts = PromptChecker(self.tokenizer, loaded.config.vocab_size, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, window=loaded.config.kv_window
+        )
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.pipeline = StepPipeline(self.config, self.scheduler, self.runner)
         self.requests: dict[str, Request] = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from flashserve.config import EngineConfig
+from flashserve.engine.block_manager import peak_blocks
 from flashserve.engine.sequence import Sequence
 from flashserve.engine.staging import Staging, Upload
 from flashserve.engine.step_plan import StepPlan
@@ -132,7 +133,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
-            want = self.config.max_num_seqs * self._model_len_limit() * self.kv_bytes_per_token
+            per_seq = self._peak_blocks(self._model_len_limit()) * self.block_size
+            want = self.config.max_num_seqs * per_seq * self.kv_bytes_per_token
             budget = min(CPU_KV_BYTES, want)
         num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
         if num_blocks < 1:
@@ -156,15 +158,32 @@ class ModelRunner:
     def _model_len_limit(self) -> int:
         return self.config.max_model_len or self.model_config.max_position_embeddings
 
+    def _peak_blocks(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens holds at once (``peak_blocks``): all of
+        them, or when every layer shares a window, those of the window and one step."""
+        window = self.model_config.kv_window
+        return peak_blocks(num_tokens, self.block_size, window,
+                           self.config.max_num_batched_tokens)  # fmt: skip
+
     def _resolve_max_model_len(self) -> int:
+        """The context length: the configured or the model's, lowered to what the KV pool
+        holds unless every layer's window lets a longer sequence fit (its old blocks go back
+        to the pool as it grows: ``BlockManager.release``)."""
         limit = self._model_len_limit()
         if self.config.max_model_len and limit > self.model_config.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's %d positions",
                            limit, self.model_config.max_position_embeddings)  # fmt: skip
-        if limit > self.num_kv_tokens:
-            logger.warning("KV pool holds %d tokens: max model len lowered from %d",
-                           self.num_kv_tokens, limit)  # fmt: skip
+        if self._peak_blocks(limit) > self.num_blocks:
+            window = self.model_config.kv_window
+            why = f" (less than a {window}-token window plus a step's tokens)" if window else ""
+            logger.warning("KV pool holds %d tokens%s: max model len lowered from %d",
+                           self.num_kv_tokens, why, limit)  # fmt: skip
             limit = self.num_kv_tokens
+        elif limit > self.num_kv_tokens:
+            logger.info("every layer has a %d-token window: a sequence holds at most %d KV "
+                        "blocks, so max model len %d may exceed the pool's %d tokens",
+                        self.model_config.kv_window, self._peak_blocks(limit), limit,
+                        self.num_kv_tokens)  # fmt: skip
         return limit
 
     # ---- one step -------------------------------------------------------------------------

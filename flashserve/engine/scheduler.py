@@ -16,7 +16,12 @@ With async scheduling the engine queues a decode step before it reads the tokens
 before; ``schedule_ahead`` plans that look-ahead step (which rows go on, their blocks) and
 ``update`` counts it once its tokens are read, as for any other step.
 
-A sequence that needs more blocks than the whole pool holds can never run. ``schedule()``
+When every layer of the model is windowed (``BlockManager.window``), ``update`` gives back the
+blocks that fell wholly left of each sequence's window, so a sequence holds O(window) blocks
+(``peak_blocks``: the window plus one step's tokens) and every count here (admission, growth,
+preemption, look-ahead) is of the blocks it holds; a sequence longer than the pool runs.
+
+A sequence that needs more blocks at once than the whole pool holds can never run. ``schedule()``
 finishes it with reason ``"error"``, sets ``seq.error`` and lists it in
 ``SchedulerOutput.errored`` rather than raising, so one bad request cannot stop the others.
 The scheduler never touches tensors.
@@ -171,14 +176,17 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """The step ran (and its tokens were read): its scheduled tokens are now computed; a
-        look-ahead step's one token each."""
-        if out.ahead_rows is not None:
-            for seq in out.seqs:
-                seq.num_computed_tokens += 1
-            return
+        look-ahead step's one token each. Blocks now wholly left of a running sequence's window
+        go back to the pool (a step queued after ``out`` computes later positions: it reads
+        none of them)."""
         for seq in out.seqs:
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
+            if out.ahead_rows is not None:
+                seq.num_computed_tokens += 1
+            else:
+                seq.num_computed_tokens += seq.num_scheduled_tokens
+                seq.num_scheduled_tokens = 0
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.release(seq)
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Plan the decode step after ``prev`` while ``prev`` still runs, its tokens unread:
@@ -270,14 +278,16 @@ class Scheduler:
         return victim
 
     def _never_fits(self, seq: Sequence, step: _Step) -> bool:
-        """Finish ``seq`` with an error if all its tokens need more blocks than the pool has."""
+        """Finish ``seq`` with an error if its tokens need more blocks at once than the pool
+        has (all its tokens' blocks; with a window, those of the window and one step)."""
         bm = self.block_manager
-        needed = bm.num_blocks_for(seq.num_tokens)
+        needed = bm.peak_blocks(seq.num_tokens, self.max_num_batched_tokens)
         if needed <= bm.num_blocks:
             return False
+        at_once = f" at once (window {bm.window})" if bm.window else ""
         seq.error = (
             f"sequence {seq.seq_id} has {seq.num_tokens} tokens, which need {needed} KV blocks "
-            f"of {bm.block_size} tokens; the pool has {bm.num_blocks} blocks in all"
+            f"of {bm.block_size} tokens{at_once}; the pool has {bm.num_blocks} blocks in all"
         )
         self.finish(seq, FinishReason.ERROR)
         step.errored.append(seq)

@@ -54,6 +54,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
+        # leading block_table entries whose blocks went back to the pool: every position in
+        # them is left of the sliding window of the next token (``BlockManager.release``).
+        # Their ids stay, so that entry i still covers positions i*BS .. i*BS+BS-1, but this
+        # sequence no longer owns them; attention reads from the window's first block on
+        self.num_released_blocks = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error"
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -80,6 +85,11 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def held_blocks(self) -> list[int]:
+        """The blocks this sequence owns: its block table past the released entries."""
+        return self.block_table[self.num_released_blocks :]
+
+    @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
@@ -99,5 +109,6 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table) - self.num_released_blocks})"
         )
