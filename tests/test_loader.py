@@ -21,7 +21,7 @@ from tokenizers import models, pre_tokenizers
 from flashserve.loaders.gguf import unpermute_qk
 from flashserve.loaders.load import DEFAULT_FILE, default_model_path, load_model
 from flashserve.models.attention import load_backend
-from flashserve.models.llama import build_model
+from flashserve.models.decoder import build_model
 from flashserve.models.presets import PRESETS, num_parameters, preset_config
 from flashserve.tokenizer.gguf import byte_alphabet
 
