@@ -33,7 +33,6 @@ from tokenizers import models, pre_tokenizers
 from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import LLM
 from flashserve.loaders.load import load_model
-from flashserve.models.config import ModelConfig
 from flashserve.sampling.params import SamplingParams
 
 VOCAB = 512
@@ -58,48 +57,124 @@ class Case:
 
 
 PHI3_IDS = dict(pad_token_id=0, eos_token_id=2)
-LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
-            "short_factor": [1.0, 1.2, 1.7, 2.6], "long_factor": [1.0, 2.1, 5.3, 12.0]}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.2, 1.7, 2.6],
+    "long_factor": [1.0, 2.1, 5.3, 12.0],
+}
 CASES = {
-    "qwen3-window-layer1": Case(transformers.Qwen3Config, dict(
-        head_dim=32, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-        tie_word_embeddings=True), windows=(0, WINDOW), extra={"qk_norm": True}),  # fmt: skip
-    "qwen3-bias-nowindow": Case(transformers.Qwen3Config, dict(
-        attention_bias=True, sliding_window=WINDOW, max_window_layers=0), windows=(0, 0),
-        extra={"attention_out_bias": True}),  # fmt: skip
-    "qwen2-window-layer1": Case(transformers.Qwen2Config, dict(
-        num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-        windows=(0, WINDOW, WINDOW)),  # fmt: skip
-    "mistral-window": Case(transformers.MistralConfig, dict(sliding_window=WINDOW),
-                           windows=(WINDOW, WINDOW)),  # fmt: skip
-    "gemma2": Case(transformers.Gemma2Config, dict(
-        head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24), windows=(WINDOW, 0),
-        extra={"attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}),  # fmt: skip
-    "gemma3-local-global-linear8": Case(transformers.Gemma3TextConfig, dict(
-        num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, layer_types=[SW, SW, FULL],
-        rope_parameters={FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                         SW: {"rope_type": "default", "rope_theta": 1e4}}),
-        windows=(WINDOW, WINDOW, 0), extra={"local_rope_theta": 1e4}),  # fmt: skip
-    "phi3-longrope-short-partial": Case(transformers.Phi3Config, dict(**PHI3_IDS,
-        partial_rotary_factor=0.5, sliding_window=WINDOW, original_max_position_embeddings=64,
-        rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5}), prompt_len=40,
-        max_model_len=64, windows=(WINDOW, WINDOW)),  # fmt: skip
-    "phi3-longrope-long-partial": Case(transformers.Phi3Config, dict(**PHI3_IDS,
-        partial_rotary_factor=0.5, original_max_position_embeddings=64,
-        rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5}), prompt_len=80,
-        max_model_len=256),  # fmt: skip
-    "llama-yarn": Case(transformers.LlamaConfig, dict(rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 64}), prompt_len=90),  # fmt: skip
-    "qwen2-yarn-mscale": Case(transformers.Qwen2Config, dict(rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 16,
-        "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
-        "original_max_position_embeddings": 32}), prompt_len=60),  # fmt: skip
+    "qwen3-window-layer1": Case(
+        transformers.Qwen3Config,
+        dict(
+            head_dim=32,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+        windows=(0, WINDOW),
+        extra={"qk_norm": True},
+    ),
+    "qwen3-bias-nowindow": Case(
+        transformers.Qwen3Config,
+        dict(attention_bias=True, sliding_window=WINDOW, max_window_layers=0),
+        windows=(0, 0),
+        extra={"attention_out_bias": True},
+    ),
+    "qwen2-window-layer1": Case(
+        transformers.Qwen2Config,
+        dict(
+            num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        ),
+        windows=(0, WINDOW, WINDOW),
+    ),
+    "mistral-window": Case(
+        transformers.MistralConfig, dict(sliding_window=WINDOW), windows=(WINDOW, WINDOW)
+    ),
+    "gemma2": Case(
+        transformers.Gemma2Config,
+        dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24),
+        windows=(WINDOW, 0),
+        extra={"attn_logit_softcap": 50.0, "final_logit_softcap": 30.0},
+    ),
+    "gemma3-local-global-linear8": Case(
+        transformers.Gemma3TextConfig,
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=[SW, SW, FULL],
+            rope_parameters={
+                FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                SW: {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        windows=(WINDOW, WINDOW, 0),
+        extra={"local_rope_theta": 1e4},
+    ),
+    "phi3-longrope-short-partial": Case(
+        transformers.Phi3Config,
+        dict(
+            **PHI3_IDS,
+            partial_rotary_factor=0.5,
+            sliding_window=WINDOW,
+            original_max_position_embeddings=64,
+            rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5},
+        ),
+        prompt_len=40,
+        max_model_len=64,
+        windows=(WINDOW, WINDOW),
+    ),
+    "phi3-longrope-long-partial": Case(
+        transformers.Phi3Config,
+        dict(
+            **PHI3_IDS,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=64,
+            rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5},
+        ),
+        prompt_len=80,
+        max_model_len=256,
+    ),
+    "llama-yarn": Case(
+        transformers.LlamaConfig,
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+        prompt_len=90,
+    ),
+    "qwen2-yarn-mscale": Case(
+        transformers.Qwen2Config,
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+        prompt_len=60,
+    ),
     # within max_position_embeddings (48) for the prompt; decoding runs past it
-    "llama-dynamic": Case(transformers.LlamaConfig, dict(
-        max_position_embeddings=48, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                     "rope_theta": 10000.0}),
-        prompt_len=40, max_model_len=64),  # fmt: skip
+    "llama-dynamic": Case(
+        transformers.LlamaConfig,
+        dict(
+            max_position_embeddings=48,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        prompt_len=40,
+        max_model_len=64,
+    ),
 }
 
 
@@ -181,8 +256,10 @@ def test_architecture_matches_transformers(tmp_path, name, layout):
     assert rel_err(ours, full) < 1e-4, f"prompt logits: {describe_diff(ours, full)}"
     for i, (o, r) in enumerate(zip(steps, gen.logits, strict=True)):
         assert rel_err(o, r[0]) < 1e-4, f"decode step {i}: {describe_diff(o, r[0])}"
-    llm = LLM(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", max_num_seqs=2,
-                           max_num_batched_tokens=CHUNK, max_model_len=case.max_model_len))  # fmt: skip
+    llm = LLM(EngineConfig(
+        model=str(tmp_path), device="cpu", dtype="float32", max_num_seqs=2,
+        max_num_batched_tokens=CHUNK, max_model_len=case.max_model_len,
+    ))  # fmt: skip
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     got = llm.generate([prompt], params)[0].token_ids
     assert got == hf_tokens, f"ours {got}\nhf   {hf_tokens}"

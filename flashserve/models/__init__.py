@@ -10,9 +10,8 @@ from flashserve.models.decoder import DecoderForCausalLM
 def get_model_class(architecture: str) -> type[DecoderForCausalLM]:
     """The ``nn.Module`` class for an architecture name (``ModelConfig.architecture``)."""
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}")
     return DecoderForCausalLM
 
 

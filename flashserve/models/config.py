@@ -115,8 +115,10 @@ class ModelConfig:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
                              f"{self.partial_rotary_factor}")  # fmt: skip
         if self.rotary_dim % 2 or self.rotary_dim < 2:
-            raise ValueError(f"the rotary dims (head_dim {self.head_dim} x partial_rotary_factor "
-                             f"{self.partial_rotary_factor} = {self.rotary_dim}) must be even")  # fmt: skip
+            raise ValueError(
+                f"the rotary dims (head_dim {self.head_dim} x partial_rotary_factor "
+                f"{self.partial_rotary_factor} = {self.rotary_dim}) must be even and >= 2"
+            )
         self.layer_windows = tuple(int(w or 0) for w in self.layer_windows) or (
             (0,) * self.num_hidden_layers
         )

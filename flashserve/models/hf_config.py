@@ -53,23 +53,54 @@ _SHAPE = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
 # transformers' config-class defaults of the keys read here, per model_type
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {**_SHAPE, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
-    "mistral": {**_SHAPE, "intermediate_size": 14336, "num_key_value_heads": 8,
-                "max_position_embeddings": 131072, "sliding_window": 4096, "bos_token_id": 1,
-                "eos_token_id": 2},  # fmt: skip
-    "qwen2": {**_SHAPE, "vocab_size": 151936, "intermediate_size": 22016,
-              "max_position_embeddings": 32768, "use_sliding_window": False,
-              "sliding_window": 4096, "max_window_layers": 28},  # fmt: skip
-    "gemma2": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
-               "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-               "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-               "max_position_embeddings": 8192, "tie_word_embeddings": True,
-               "query_pre_attn_scalar": 256, "sliding_window": 4096,
-               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
-               "bos_token_id": 2, "eos_token_id": 1},  # fmt: skip
-    "phi3": {**_SHAPE, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
-             "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
-             "rms_norm_eps": 1e-5, "sliding_window": None, "bos_token_id": 1,
-             "eos_token_id": 32000},  # fmt: skip
+    "mistral": {
+        **_SHAPE,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "qwen2": {
+        **_SHAPE,
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "gemma2": {
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+    "phi3": {
+        **_SHAPE,
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+    },
 }
 _DEFAULTS["qwen3"] = {**_DEFAULTS["qwen2"], "head_dim": 128}
 _DEFAULTS["gemma3_text"] = {**_DEFAULTS["gemma2"], "vocab_size": 262208,
@@ -131,9 +162,10 @@ def _model_type(d: dict[str, Any]) -> str:
         arch = next((c for c in classes if c), None)
     if arch not in SUPPORTED_MODEL_TYPES:
         what = f" ({_KNOWN_UNSUPPORTED[arch]})" if arch in _KNOWN_UNSUPPORTED else ""
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ValueError(
-            f"unsupported model_type {arch!r}{what}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            " and gemma3 (its text model)"
+            f"unsupported model_type {arch!r}{what}; supported: {supported}, and gemma3 (its "
+            "text model)"
         )
     return arch
 
