@@ -33,6 +33,7 @@ from tokenizers import models, pre_tokenizers
 from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import LLM
 from flashserve.loaders.load import load_model
+from flashserve.models.config import ModelConfig
 from flashserve.sampling.params import SamplingParams
 
 VOCAB = 512
@@ -178,11 +179,45 @@ CASES = {
 }
 
 
-def save_checkpoint(case: Case, path, layout: str) -> None:
-    """A random transformers model of the case, saved with a word-level tokenizer; for
+@pytest.mark.parametrize("layout", ["5.x", "4.x"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_architecture_matches_transformers(tmp_path, name, layout):
+    case = CASES[name]
+    hf = transformers.AutoModelForCausalLM.from_config(case.cls(**{**SHAPE, **case.kwargs}))
+    save_checkpoint(hf, tmp_path, layout)
+    config = check_against_transformers(tmp_path, case.prompt_len, case.max_model_len)
+    if case.windows:
+        assert config.layer_windows == case.windows
+    for key, value in case.extra.items():
+        assert getattr(config, key) == value, key
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """A Gemma 3 image-text checkpoint whose text_config gives only a few keys, as the hub's
+    do (Gemma 3 4B/12B/27B): the rest are Gemma3TextConfig's defaults (5 local : 1 global
+    layers, local theta 10,000, global 1,000,000 with the 4.x rope_scaling, the attention
+    scale 256^-0.5); the vision tower is skipped."""
+    text = dict(SHAPE, num_hidden_layers=6, head_dim=16, sliding_window=WINDOW,
+                rope_scaling={"rope_type": "linear", "factor": 8.0})  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    ids = dict(image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, **ids)  # fmt: skip
+    save_checkpoint(transformers.Gemma3ForConditionalGeneration(config), tmp_path, "5.x")
+    d = json.loads((tmp_path / "config.json").read_text())
+    d["text_config"] = {"model_type": "gemma3_text", **text}  # the hub's few keys
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    ours = check_against_transformers(tmp_path, 4 * WINDOW + 1, None)
+    assert ours.multimodal_checkpoint and ours.attn_scale == 256**-0.5
+    assert ours.layer_windows == (WINDOW,) * 5 + (0,)
+    assert (ours.rope_theta, ours.local_rope_theta) == (1e6, 1e4)
+    assert ours.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+
+
+def save_checkpoint(hf, path, layout: str) -> None:
+    """A transformers model, randomised, saved with a word-level tokenizer; for
     ``layout == "4.x"`` config.json is rewritten the way transformers 4 wrote it."""
-    config = case.cls(**{**SHAPE, **case.kwargs})
-    hf = transformers.AutoModelForCausalLM.from_config(config)
     randomize(hf)
     hf.save_pretrained(path)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
@@ -216,6 +251,35 @@ def to_4x_layout(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def check_against_transformers(path, prompt_len: int, max_model_len: int | None) -> ModelConfig:
+    """Load ``path`` with transformers and with us; compare a random prompt's logits, 16
+    decode steps' logits and the engine's 16 greedy tokens. Returns our config."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None  # 16 tokens, as ours with ignore_eos
+    loaded = load_model(str(path), "cpu", torch.float32, "torch")
+    if max_model_len:
+        loaded.model.ensure_positions(max_model_len)
+    prompt = torch.randint(3, VOCAB - 3, (prompt_len,)).tolist()
+    with torch.no_grad():
+        full = ref(input_ids=torch.tensor([prompt])).logits[0]  # [L, V]
+        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    hf_tokens = gen.sequences[0, len(prompt) :].tolist()
+    ours, steps = our_logits(loaded.model, prompt, hf_tokens)
+    assert rel_err(ours[-1], full[-1]) < 1e-4, f"last token: {describe_diff(ours[-1], full[-1])}"
+    assert rel_err(ours, full) < 1e-4, f"prompt logits: {describe_diff(ours, full)}"
+    for i, (o, r) in enumerate(zip(steps, gen.logits, strict=True)):
+        assert rel_err(o, r[0]) < 1e-4, f"decode step {i}: {describe_diff(o, r[0])}"
+    llm = LLM(EngineConfig(
+        model=str(path), device="cpu", dtype="float32", max_num_seqs=2,
+        max_num_batched_tokens=CHUNK, max_model_len=max_model_len,
+    ))  # fmt: skip
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    got = llm.generate([prompt], params)[0].token_ids
+    assert got == hf_tokens, f"ours {got}\nhf   {hf_tokens}"
+    return loaded.config
+
+
 @torch.no_grad()
 def our_logits(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, list]:
     """Our logits of every prompt token ([L, V], one prefill), then after each of ``tokens``
@@ -230,36 +294,68 @@ def our_logits(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tenso
     return full, steps
 
 
-@pytest.mark.parametrize("layout", ["5.x", "4.x"])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_architecture_matches_transformers(tmp_path, name, layout):
-    case = CASES[name]
-    save_checkpoint(case, tmp_path, layout)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ref.generation_config.eos_token_id = None  # 16 tokens, as ours with ignore_eos
-    loaded = load_model(str(tmp_path), "cpu", torch.float32, "torch")
-    if case.max_model_len:
-        loaded.model.ensure_positions(case.max_model_len)
-    config = loaded.config
-    if case.windows:
-        assert config.layer_windows == case.windows
-    for key, value in case.extra.items():
-        assert getattr(config, key) == value, key
-    prompt = torch.randint(3, VOCAB, (case.prompt_len,)).tolist()
-    with torch.no_grad():
-        full = ref(torch.tensor([prompt])).logits[0]  # [L, V]
-        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True)  # fmt: skip
-    hf_tokens = gen.sequences[0, len(prompt) :].tolist()
-    ours, steps = our_logits(loaded.model, prompt, hf_tokens)
-    assert rel_err(ours[-1], full[-1]) < 1e-4, f"last token: {describe_diff(ours[-1], full[-1])}"
-    assert rel_err(ours, full) < 1e-4, f"prompt logits: {describe_diff(ours, full)}"
-    for i, (o, r) in enumerate(zip(steps, gen.logits, strict=True)):
-        assert rel_err(o, r[0]) < 1e-4, f"decode step {i}: {describe_diff(o, r[0])}"
-    llm = LLM(EngineConfig(
-        model=str(tmp_path), device="cpu", dtype="float32", max_num_seqs=2,
-        max_num_batched_tokens=CHUNK, max_model_len=case.max_model_len,
-    ))  # fmt: skip
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    got = llm.generate([prompt], params)[0].token_ids
-    assert got == hf_tokens, f"ours {got}\nhf   {hf_tokens}"
+# ---- which layers slide, defaults, refusals ------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [transformers.Qwen2Config, transformers.Qwen3Config])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
+        dict(use_sliding_window=False, sliding_window=64, max_window_layers=0),
+        dict(use_sliding_window=True, sliding_window=None, max_window_layers=0),
+        dict(use_sliding_window=True, sliding_window=32, max_window_layers=9),
+        dict(use_sliding_window=True, sliding_window=32, max_window_layers=2,
+             layer_types=[FULL, SW, FULL, SW]),
+    ],
+)  # fmt: skip
+def test_qwen_windows_are_transformers(cls, kwargs):
+    """Qwen2/Qwen3 slide the layers transformers' config says (layer_types), in both the 5.x
+    file (layer_types written) and the 4.x one (derived from max_window_layers)."""
+    hf = cls(**{**SHAPE, "num_hidden_layers": 4}, **kwargs)
+    want = tuple(hf.sliding_window or 0 if t == SW else 0 for t in hf.layer_types)
+    d = hf.to_dict()
+    assert ModelConfig.from_hf_dict(d).layer_windows == want
+    if "layer_types" not in kwargs:
+        d.pop("layer_types")
+        d["sliding_window"] = kwargs["sliding_window"]  # 4.x kept it when not in use
+        assert ModelConfig.from_hf_dict(d).layer_windows == want
+
+
+def test_keys_left_out_take_transformers_defaults():
+    """A file without a key means the config class's default, as transformers reads it."""
+    mistral = {"model_type": "mistral", **SHAPE}
+    assert transformers.MistralConfig(**SHAPE).sliding_window == 4096
+    assert ModelConfig.from_hf_dict(mistral).layer_windows == (4096, 4096)
+    gemma2 = ModelConfig.from_hf_dict({"model_type": "gemma2", **SHAPE})
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
+    assert gemma2.layer_windows == (4096, 0) and gemma2.head_dim == 256
+    # "su": Phi-3's old name for longrope; the original length: Phi3Config's 4096
+    su = {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3 = ModelConfig.from_hf_dict({"model_type": "phi3", **SHAPE, "rope_scaling": su})
+    assert phi3.rope_scaling["rope_type"] == "longrope"
+    assert phi3.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+def _refused(d: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_what_is_refused_says_what_and_what_is_supported():
+    llama = {"model_type": "llama", **SHAPE}
+    _refused({"model_type": "qwen3_moe", **SHAPE}, r"'qwen3_moe' \(Qwen3-MoE .*supported: llama")
+    _refused({"architectures": ["Olmo2ForCausalLM"], **SHAPE}, "unsupported model_type None")
+    _refused({**llama, "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; supported:")
+    _refused({**llama, "mlp_bias": True}, "mlp_bias")
+    _refused({**llama, "rope_scaling": {"type": "mrope", "factor": 2.0}},
+             "unsupported rope_scaling type 'mrope'; supported: default, linear")  # fmt: skip
+    _refused({**llama, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}},
+             r"'longrope' lacks \['long_factor'\]")  # fmt: skip
+    _refused({**llama, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3,
+                                        "long_factor": [1.0] * 3}},
+             "short_factor has 3 values, the rotary dims need 8")  # fmt: skip
+    _refused({"model_type": "gemma3_text", **SHAPE, "use_bidirectional_attention": True},
+             "use_bidirectional_attention")  # fmt: skip
+    _refused({"model_type": "gemma2", **SHAPE, "layer_types": [FULL, "chunked_attention"]},
+             r"layer_types must be 2 of .* got \['chunked_attention'\]")  # fmt: skip
