@@ -359,3 +359,16 @@ def test_what_is_refused_says_what_and_what_is_supported():
              "use_bidirectional_attention")  # fmt: skip
     _refused({"model_type": "gemma2", **SHAPE, "layer_types": [FULL, "chunked_attention"]},
              r"layer_types must be 2 of .* got \['chunked_attention'\]")  # fmt: skip
+
+
+def test_decode_roofline_counts_each_layers_window():
+    """bench decode: a windowed layer reads the KV of its window's positions only."""
+    from flashserve.bench.decode_ours import kv_bytes_read
+    from flashserve.models.presets import preset_config
+
+    gemma = preset_config("gemma3-12b").layer_windows  # 40 layers of 1,024, 8 global
+    assert kv_bytes_read(gemma, 2.0, 4096) == 2.0 * (40 * 1024 + 8 * 4096)
+    assert kv_bytes_read(gemma, 2.0, 100) == 2.0 * 48 * 100
+    mistral = preset_config("mistral-7b-v0.1").layer_windows
+    assert kv_bytes_read(mistral, 1.0, 131072) == 32 * 4096
+    assert kv_bytes_read(preset_config("qwen3-8b").layer_windows, 1.0, 5000) == 36 * 5000
