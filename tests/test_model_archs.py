@@ -138,6 +138,26 @@ CASES = {
         prompt_len=80,
         max_model_len=256,
     ),
+    "llama-llama3-tied": Case(
+        transformers.LlamaConfig,
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        prompt_len=70,
+    ),
+    "llama-linear-bias": Case(
+        transformers.LlamaConfig,
+        dict(attention_bias=True, rope_parameters={"rope_type": "linear", "factor": 4.0}),
+        extra={"attention_out_bias": True},
+    ),
     "llama-yarn": Case(
         transformers.LlamaConfig,
         dict(
