@@ -189,8 +189,9 @@ def _refuse_unsupported(d: dict[str, Any], arch: str) -> None:
 
 
 def _activation(d: dict[str, Any], arch: str) -> str:
-    key = "hidden_activation" if arch in ("gemma2", "gemma3_text") else "hidden_act"
-    act = d.get(key) or "silu"
+    gemma = arch in ("gemma2", "gemma3_text")
+    key = "hidden_activation" if gemma else "hidden_act"
+    act = d.get(key) or ("gelu_pytorch_tanh" if gemma else "silu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"{arch}: {key} {act!r} is not supported; supported: "
                          f"{', '.join(_ACTIVATIONS)}")  # fmt: skip
