@@ -21,7 +21,7 @@ from tokenizers import models, pre_tokenizers
 from flashserve.loaders.gguf import unpermute_qk
 from flashserve.loaders.load import DEFAULT_FILE, default_model_path, load_model
 from flashserve.models.attention import load_backend
-from flashserve.models.llama import build_model
+from flashserve.models.decoder import build_model
 from flashserve.models.presets import PRESETS, num_parameters, preset_config
 from flashserve.tokenizer.gguf import byte_alphabet
 
@@ -369,6 +369,12 @@ def test_dummy_presets_have_real_shapes(preset):
         "llama2-7b": 6_738_415_616,
         "smollm2-135m": 134_515_008,
         "qwen2-0.5b": 494_032_768,
+        "qwen3-8b": 8_190_735_360,
+        # keras-hub's gemma3_12b_text, 11,765,788,416, plus the 64 padding rows x 3,840 of
+        # the Hugging Face vocabulary (262,208 against 262,144)
+        "gemma3-12b": 11_766_034_176,
+        "phi4": 14_659_507_200,
+        "mistral-7b-v0.1": 7_241_732_096,
     }
     config = preset_config(preset)
     model = build_model(config, load_backend("torch"), "meta", torch.bfloat16)

@@ -26,7 +26,7 @@ from transformers.models.llama import modeling_llama as hf_llama
 from flashserve.models import get_model_class
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
-from flashserve.models.llama import LlamaForCausalLM, RMSNorm, build_model, init_random
+from flashserve.models.decoder import DecoderForCausalLM, RMSNorm, build_model, init_random
 from flashserve.models.rope import RotaryEmbedding
 from kernels.reference import rope_write_kv
 
@@ -34,7 +34,7 @@ PROMPT_LENS = [1, 17, 40, 5]  # the one-token prompt runs as a decode token
 TORCH = load_backend("torch")
 
 
-def ours_from_hf(hf, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def ours_from_hf(hf, dtype: torch.dtype = torch.float32) -> DecoderForCausalLM:
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
     model = build_model(config, TORCH, "cpu", dtype)
     model.load_weights(hf.state_dict().items())
@@ -90,8 +90,8 @@ def test_config_from_old_style_dict():
     )
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         ModelConfig.from_hf_dict({**d, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        ModelConfig.from_hf_dict({**d, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="rope_scaling type 'mrope'"):
+        ModelConfig.from_hf_dict({**d, "rope_scaling": {"type": "mrope", "factor": 2.0}})
 
 
 def test_qwen2_without_attention_bias_key_has_qkv_bias():
@@ -219,13 +219,13 @@ def test_build_model_meta_then_device_and_random_init():
 
 def test_ensure_positions_extends_rope_cache():
     config = ModelConfig.from_hf_dict(transformers.LlamaConfig(**TINY).to_dict())
-    model = LlamaForCausalLM(config, TORCH)
+    model = DecoderForCausalLM(config, TORCH)
     model.ensure_positions(300)
     big = RotaryEmbedding(ModelConfig(**{**config.__dict__, "max_position_embeddings": 300}))
     assert torch.equal(model.model.rotary_emb.sin, big.sin)
 
 
 def test_get_model_class():
-    assert get_model_class("qwen2") is LlamaForCausalLM
+    assert get_model_class("qwen2") is DecoderForCausalLM
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         get_model_class("gpt2")

@@ -10,7 +10,7 @@ import torch
 
 from flashserve.models.attention import AttentionMetadata, load_backend
 from flashserve.models.config import ModelConfig
-from flashserve.models.llama import build_model, init_random
+from flashserve.models.decoder import build_model, init_random
 
 pytestmark = pytest.mark.gpu
 

@@ -25,9 +25,11 @@ class StepTiming:
     """What one implementation did at one (context, batch) point."""
 
     step_s: float  # seconds per decode step (one token for every sequence)
-    kv_tokens_per_step: float  # KV positions read per step, summed over the batch
+    kv_tokens_per_step: float  # KV positions held per step, summed over the batch
     peak_memory_bytes: int
     memory_kind: str
+    # KV bytes read per step: each layer reads only the positions its window covers
+    kv_bytes_per_step: float = 0.0
 
 
 def new_tokens_needed(budget: int, context: int, batch: int, steps: int) -> int:
@@ -90,19 +92,32 @@ def measure_ours(
             engine.abort(req.request_id)
 
 
+def kv_bytes_read(layer_windows: tuple[int, ...], layer_bytes_per_token: float,
+                  num_tokens: int) -> float:  # fmt: skip
+    """KV bytes a decode step reads for one sequence of ``num_tokens`` tokens (its new one
+    included): each layer reads K and V of the last ``window`` of them, all of them when it
+    has no window (``ModelConfig.layer_windows``)."""
+    positions = sum(min(num_tokens, w) if w > 0 else num_tokens for w in layer_windows)
+    return positions * layer_bytes_per_token
+
+
 def _time_steps(engine: LLMEngine, reqs, steps: int, device: torch.device) -> StepTiming:
-    kv_tokens = 0
+    windows = engine.model_config.layer_windows
+    per_layer = engine.runner.kv_bytes_per_token / len(windows)  # one layer's K and V
+    kv_tokens, kv_bytes = 0, 0.0
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        kv_tokens += sum(r.seq.num_tokens for r in reqs)  # the new token's KV is read too
+        lens = [r.seq.num_tokens for r in reqs]  # the new token's KV is read too
+        kv_tokens += sum(lens)
+        kv_bytes += sum(kv_bytes_read(windows, per_layer, n) for n in lens)
         outs = engine.step()
         if len(outs) != len(reqs) or any(o.finished for o in outs):
             raise RuntimeError(f"a timed step was not a decode of all {len(reqs)} sequences")
     synchronize(device)
     elapsed = time.perf_counter() - start
     mem, kind = peak_memory(device)
-    return StepTiming(elapsed / steps, kv_tokens / steps, mem, kind)
+    return StepTiming(elapsed / steps, kv_tokens / steps, mem, kind, kv_bytes / steps)
 
 
 def weight_bytes_read(engine: LLMEngine) -> int:

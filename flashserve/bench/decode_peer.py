@@ -34,11 +34,14 @@ def hf_config(mc: ModelConfig, dtype: torch.dtype, max_len: int):
 
     if mc.rope_scaling and mc.rope_scaling["rope_type"] == "freq_factors":
         raise PeerUnavailable("RoPE frequency factors (from GGUF) have no transformers config")
-    cls = {
+    classes = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
-    }[mc.architecture]
+    }
+    if mc.architecture not in classes:
+        raise PeerUnavailable(f"the peer runs {', '.join(classes)}, not {mc.architecture}")
+    cls = classes[mc.architecture]
     kw = dict(
         vocab_size=mc.vocab_size,
         hidden_size=mc.hidden_size,

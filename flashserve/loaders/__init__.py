@@ -1,5 +1,5 @@
 """Weight sources: Hugging Face directories (``hf``) and GGUF files (``gguf``).
 
 Each yields ``(Hugging Face tensor name, tensor)`` pairs one at a time, for
-``LlamaForCausalLM.load_weights``; ``flashserve.loaders.load`` picks the source.
+``DecoderForCausalLM.load_weights``; ``flashserve.loaders.load`` picks the source.
 """

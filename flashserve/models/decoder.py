@@ -1,0 +1,284 @@
+"""The decoder every supported architecture runs (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3/4, SmolLM2), as Hugging Face defines each; their differences are ``ModelConfig`` fields.
+
+Tokens of a step are flattened to ``[T]``; every layer reads the same ``AttentionMetadata``.
+q/k/v share one Linear and gate/up share another; ``load_weights`` takes Hugging Face tensor
+names and copies each into its slice of the fused weight (Phi-3 checkpoints store them fused).
+
+The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSNorm that
+starts a sublayer adds the previous sublayer's output to the residual first
+(``add_rms_norm``), so the backend can do both in one kernel. The sums are the ones Hugging
+Face computes, in the same order and dtype. Gemma's extra norms (after attention, after the
+MLP) apply to a sublayer's output before that add. The small operations (norms, RoPE with the
+KV store, the gated activations) come from the attention backend
+(``flashserve.models.attention.AttentionBackend``): the torch one rounds exactly as Hugging
+Face does; the Triton one fuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from flashserve.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PagedAttention,
+    load_backend,
+)
+from flashserve.models.config import ModelConfig
+from flashserve.models.rope import RotaryEmbedding
+from flashserve.models.weights import check_complete, checkpoint_name, weight_slots
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin tables [P, R/2]
+
+
+class RMSNorm(nn.Module):
+    """``w * x / sqrt(mean(x^2) + eps)``, normalised in float32 and cast back before ``w``
+    (or Gemma's ``(1 + w)``, applied in float32: ``unit_offset``); with ``residual``,
+    normalises ``residual + x`` and returns that sum too."""
+
+    def __init__(self, size: int, eps: float, backend: AttentionBackend | None = None,
+                 unit_offset: bool = False):  # fmt: skip
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = backend or load_backend("torch")
+        # passed only when set: backends whose kernels predate Gemma need not take it
+        self.kwargs = {"unit_offset": True} if unit_offset else {}
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H] (and the new residual)
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps, **self.kwargs)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **self.kwargs)
+
+
+def _norm(config: ModelConfig, backend: AttentionBackend, size: int | None = None) -> RMSNorm:
+    size = size or config.hidden_size
+    return RMSNorm(size, config.rms_norm_eps, backend, config.norm_unit_offset)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache: this layer's window, soft-cap
+    and RoPE table, q/k head norms when the config has them."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
+        super().__init__()
+        self.ops = backend
+        sizes = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, sizes, config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, config.attention_out_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = _norm(config, backend, config.head_dim)
+            self.k_norm = _norm(config, backend, config.head_dim)
+        self.rope_table = config.layer_rope[layer]  # which of the model's tables
+        self.attn = PagedAttention(
+            backend,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.attn_scale,
+            window=config.layer_windows[layer],
+            softcap=config.attn_logit_softcap,
+            norm_eps=config.rms_norm_eps,
+            norm_unit_offset=config.norm_unit_offset,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T] int64
+        ropes: list[Rope],  # the model's tables; this layer reads ropes[self.rope_table]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        rope = ropes[self.rope_table]
+        out = self.attn(qkv, positions, rope, *kv_cache, meta, *norms)  # [T, Hq, D]
+        return self.ops.linear(out.view(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
+
+
+class MLP(nn.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, SiLU (SwiGLU) or GELU-tanh (Gemma)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.ops = backend
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, False)
+        act = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}[config.hidden_act]
+        self.act_and_mul = getattr(backend, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
+        return self.ops.linear(self.act_and_mul(gate_up), self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    """Norm, attention, norm, MLP; with ``sandwich_norms`` (Gemma) the attention and MLP
+    outputs are normed too (``post_attention_layernorm``, ``post_feedforward_layernorm``)
+    and the MLP's input norm is ``pre_feedforward_layernorm``. Without them the MLP's input
+    norm is Llama's ``post_attention_layernorm``. The names are Hugging Face's."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
+        super().__init__()
+        self.input_layernorm = _norm(config, backend)
+        self.self_attn = Attention(config, backend, layer)
+        self.post_attention_layernorm = _norm(config, backend)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(config, backend)
+            self.post_feedforward_layernorm = _norm(config, backend)
+        self.mlp = MLP(config, backend)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's MLP output, or the embeddings
+        residual: torch.Tensor | None,  # [T, hidden]; None in the first layer
+        positions: torch.Tensor,  # [T] int64
+        ropes: list[Rope],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, ropes, kv_cache, meta)
+        if self.sandwich:
+            x = self.post_attention_layernorm(x)
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = _norm(config, backend)
+        self.rotary_emb = RotaryEmbedding(config)  # the global layers'
+        self.local_rotary_emb = None  # the sliding layers', when theirs differs (Gemma 3)
+        if config.local_rope_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(config, local=True)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        return [r for r in (self.rotary_emb, self.local_rotary_emb) if r is not None]
+
+
+class DecoderForCausalLM(nn.Module):
+    """Decoder plus LM head; parameters never require grad."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.backend = attn_backend  # its metadata and graph hooks serve the model runner
+        self.model = DecoderModel(config, attn_backend)
+        self.lm_head = None  # tied: compute_logits uses the embedding matrix
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._embed_scales: dict[torch.dtype, float] = {}
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [N, BS, Hkv, D] each
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        ropes = [(r.cos, r.sin) for r in self.model.rotary_embeddings()]
+        x, residual = self.embed(input_ids), None  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, ropes, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The token embeddings, times ``embed_scale`` rounded to their dtype first (as
+        transformers' Gemma does: sqrt(3072) is 55.5 in bf16)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale == 1.0:
+            return x
+        if x.dtype not in self._embed_scales:
+            scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
+            self._embed_scales[x.dtype] = scale.item()
+        return x * self._embed_scales[x.dtype]
+
+    def ensure_positions(self, num_positions: int) -> None:
+        """Serve positions up to ``num_positions - 1`` (the engine's max_model_len): grows
+        the RoPE tables, and picks longrope's factors for that length (``rope``)."""
+        for rotary in self.model.rotary_embeddings():
+            rotary.resize(num_positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        """float32 logits, soft-capped (``cap * tanh(logits / cap)``) when the config says."""
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        logits = self.backend.linear(hidden, head.weight).float()
+        cap = self.config.final_logit_softcap
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (fused) parameters, converting dtype and
+        device on the way. Raises ValueError naming missing, unexpected or misshapen tensors."""
+        slots = self._weight_slots()
+        loaded, unexpected = set(), []
+        for name, tensor in weights:
+            name = checkpoint_name(name, self.config)
+            if name is None or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name not in slots:
+                unexpected.append(name)
+                continue
+            param, start, size = slots[name]
+            dst = param.data if size is None else param.data.narrow(0, start, size)
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, "
+                    f"model expects {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(name)
+        check_complete(sorted(set(slots) - loaded), unexpected)
+
+    def _weight_slots(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
+        """Hugging Face name -> (our parameter, first row, rows or None for all of it)."""
+        return weight_slots(self, self.config)
+
+
+def build_model(
+    config: ModelConfig, attn_backend: AttentionBackend, device: str, dtype: torch.dtype
+) -> DecoderForCausalLM:
+    """A model with uninitialised weights allocated once, directly on ``device`` in ``dtype``
+    (the RoPE tables are computed); fill it with ``load_weights`` or ``init_random``."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config, attn_backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for rotary in model.model.rotary_embeddings():
+        rotary.build()
+    return model
+
+
+@torch.no_grad()
+def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Dummy weights: norms the identity (1, or 0 for Gemma's ``1 + w``), biases 0,
+    everything else N(0, std), from ``seed``."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    identity = 0.0 if model.config.norm_unit_offset else 1.0
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(identity)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
