@@ -37,6 +37,7 @@ _SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
 # Gemma block counts of the 27B models, which scale queries by hidden/heads (llama.cpp's rule)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA_LOCAL_THETA = 10000.0
+_NO_HEAD_DIM = ("qwen2", "phi3")
 
 
 def hf_config_dict(
@@ -77,15 +78,19 @@ def hf_config_dict(
         "rope_parameters": _rope_parameters(k, head_dim, dict(rope_tensors or {})),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _eos_ids(meta),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "_name_or_path": meta.get("general.name", ""),
     }
-    has_bias = "blk.0.attn_q.bias" in tensor_shapes
+    if arch in _NO_HEAD_DIM:  # transformers' Qwen2 and Phi-3 have no head_dim: hidden / heads
+        if d.pop("head_dim") != hidden // heads:
+            raise ValueError(f"GGUF {arch}.attention.key_length {head_dim} != hidden / heads")
     if arch in ("llama", "qwen3", "gemma2", "gemma3"):
-        d["attention_bias"] = has_bias
+        d["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "llama":
         d["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_shapes
         window = k.get("attention.sliding_window")
         if window:  # Mistral v0.1 converted as llama; llama.cpp's converter omits the key
+            del d["attention_bias"], d["mlp_bias"]  # Mistral has neither
             d.update(model_type="mistral", sliding_window=window)
     if arch in ("gemma2", "gemma3"):
         d.update(_gemma(k, arch, d))
