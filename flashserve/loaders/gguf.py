@@ -94,7 +94,8 @@ def iter_weights(
     reader: gguf.GGUFReader, config: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor dequantized to float32 (one at a time), with its Hugging Face name, in
-    Hugging Face's layout."""
+    Hugging Face's layout. ``config`` gives the head counts that un-permute Q/K (a transformers
+    config built from ``read_hf_config`` serves too)."""
     arch = _architecture(reader)
     for tensor in reader.tensors:
         if tensor.name in ROPE_TENSORS:
