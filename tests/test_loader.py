@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gguf_writer import add_tokenizer, llamacpp_permute
 from model_utils import LLAMA3_ROPE, TINY, assert_close, hf_logits, make_hf, randomize, run_prompts
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as Backend
@@ -23,7 +24,6 @@ from flashserve.loaders.load import DEFAULT_FILE, default_model_path, load_model
 from flashserve.models.attention import load_backend
 from flashserve.models.decoder import build_model
 from flashserve.models.presets import PRESETS, num_parameters, preset_config
-from flashserve.tokenizer.gguf import byte_alphabet
 
 # ---- Hugging Face directories --------------------------------------------------------------
 
@@ -105,15 +105,6 @@ def test_unknown_spec_is_an_error(tmp_path):
 GGUF_TINY = {**TINY, "vocab_size": 300, "hidden_size": 256, "intermediate_size": 512}
 GGUF_TINY.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 Q = gguf.GGMLQuantizationType
-
-
-def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert script: interleave each head's two RoPE halves."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
 
 
 def random_kquant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
@@ -212,18 +203,6 @@ def write_llama_gguf(path, hf, qtype, rope_freqs: np.ndarray | None = None) -> N
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-def add_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
-    """Byte-level BPE (no merges): 256 byte tokens, <s> = 256, </s> = 257, then fillers."""
-    tokens = [*byte_alphabet().values(), "<s>", "</s>"]
-    tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3, 3] + [4] * (vocab_size - 258))
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
 
 
 def make_gguf_hf(extra: dict | None = None):

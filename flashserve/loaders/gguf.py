@@ -1,5 +1,17 @@
-"""GGUF files (llama.cpp): metadata to ``ModelConfig``, tensors dequantized to float32 and
-renamed to Hugging Face names, Q/K rows put back in Hugging Face's order."""
+"""GGUF files (llama.cpp): the config and the weights of the Hugging Face checkpoint they were
+converted from.
+
+The metadata becomes a Hugging Face config dict (``gguf_config``) and then a ``ModelConfig``
+through ``ModelConfig.from_hf_dict``, the one way in for every architecture. Each tensor is
+dequantized to float32, renamed to its Hugging Face name and put back in Hugging Face's layout,
+undoing what llama.cpp's converter did to it:
+- ``llama``: the rows of each Q/K head interleaved (``permute``), weights and biases;
+- ``gemma2``/``gemma3``: ``1`` added to every RMSNorm weight (llama.cpp's norm has no ``1 + w``).
+  Subtracting it back is exact when the stored value is at least 0.5 (Sterbenz), so the model's
+  ``1 + w`` is then the file's float32 value bit for bit;
+- Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate then up) are Hugging Face's own ``qkv_proj``
+  and ``gate_up_proj``: renamed only.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +23,9 @@ import gguf
 import numpy as np
 import torch
 
+from flashserve.loaders.gguf_config import ROPE_TENSORS, hf_config_dict
 from flashserve.models.config import ModelConfig
 
-ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3.1 RoPE factors; goes into the config
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -25,12 +37,27 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma norms around both sublayers: llama.cpp's ffn_norm is Gemma's pre-feedforward norm
+_GEMMA_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": {**_LAYER_NAMES, **_GEMMA_NAMES},
+    "gemma3": {**_LAYER_NAMES, **_GEMMA_NAMES},
+    "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},  # gate and up, fused
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_UNIT_OFFSET_NORMS = ("gemma2", "gemma3")  # archs whose files store 1 + w for each norm
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -38,36 +65,49 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
+def read_hf_config(reader: gguf.GGUFReader, meta: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face config dict (transformers 5.x layout) the file was converted from."""
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    rope = [t for t in reader.tensors if t.name in ROPE_TENSORS]
+    rope = {t.name: _dequantize(t).reshape(-1).tolist() for t in rope}
+    return hf_config_dict(meta, shapes, rope)
+
+
 def read_config(reader: gguf.GGUFReader, meta: dict[str, Any], name: str) -> ModelConfig:
-    names = {t.name for t in reader.tensors}
-    freqs = None
-    if ROPE_FREQS in names:
-        tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
-        freqs = _dequantize(tensor).reshape(-1).tolist()
-    return ModelConfig.from_gguf_metadata(meta, names, rope_freqs=freqs, name=name)
+    return ModelConfig.from_hf_dict(read_hf_config(reader, meta), name=name)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; names we do not
     know pass through unchanged (``load_weights`` then reports them as unexpected)."""
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return gguf_name
 
 
 def iter_weights(
     reader: gguf.GGUFReader, config: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor dequantized to float32 (one at a time), with its Hugging Face name."""
+    """Each tensor dequantized to float32 (one at a time), with its Hugging Face name, in
+    Hugging Face's layout. ``config`` gives the head counts that un-permute Q/K (a transformers
+    config built from ``read_hf_config`` serves too)."""
+    arch = _architecture(reader)
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
-            continue
+        if tensor.name in ROPE_TENSORS:
+            continue  # read into the config
         weight = torch.from_numpy(_dequantize(tensor))  # [rows, cols] or [n]
-        yield hf_name(tensor.name), _to_hf_layout(tensor.name, weight, config)
+        name = hf_name(tensor.name, arch)
+        yield name, _to_hf_layout(arch, name, weight, config)
+
+
+def _architecture(reader: gguf.GGUFReader) -> str:
+    field = reader.fields.get("general.architecture")
+    return field.contents() if field is not None else ""
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -77,14 +117,13 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return data if data.flags.writeable else data.copy()
 
 
-def _to_hf_layout(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """llama.cpp interleaves the two RoPE halves of each Llama Q/K head; undo that."""
-    if config.architecture != "llama":
-        return w
-    if ".attn_q." in name:
+def _to_hf_layout(arch: str, name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         return unpermute_qk(w, config.num_attention_heads)
-    if ".attn_k." in name:
+    if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
         return unpermute_qk(w, config.num_key_value_heads)
+    if arch in _UNIT_OFFSET_NORMS and name.endswith("norm.weight"):
+        return w - 1.0
     return w
 
 
