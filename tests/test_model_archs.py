@@ -280,6 +280,7 @@ def check_against_transformers(path, prompt_len: int, max_model_len: int | None)
     if max_model_len:
         loaded.model.ensure_positions(max_model_len)
     prompt = torch.randint(3, VOCAB - 3, (prompt_len,)).tolist()
+    ref.generation_config.eos_token_id = None  # a random model may pick EOS: generate on
     with torch.no_grad():
         full = ref(input_ids=torch.tensor([prompt])).logits[0]  # [L, V]
         gen = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,

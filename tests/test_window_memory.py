@@ -128,6 +128,7 @@ def windowed_model(tmp_path_factory):
     hf = transformers.AutoModelForCausalLM.from_config(config)
     randomize(hf, seed=random.randrange(2**31))
     save_hf_dir(hf, path)
+    hf.generation_config.eos_token_id = None  # ours ignore EOS: so must transformers' generate
     return str(path), hf.eval()
 
 
