@@ -20,7 +20,7 @@ from triton.language.extra import libdevice
 from kernels.common import pdl_enter, pdl_kwargs
 
 _BLOCK = 1024  # columns per program
-_SQRT_2_OVER_PI = 0.7978845608028654  # torch: M_SQRT2 * M_2_SQRTPI * 0.5
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # torch: M_SQRT2 * M_2_SQRTPI * 0.5
 
 
 @triton.jit
