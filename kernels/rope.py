@@ -9,9 +9,9 @@ Two options of the newer architectures ride along in the same pass, as the progr
 holds each of its token's heads: per-head RMSNorm of q and k over the head dim before the
 rotation (Qwen3, Gemma 3: ``q_norm``/``k_norm``, Gemma's ``(1 + w)`` form with
 ``norm_unit_offset``), and partial rotary (Phi: tables ``[P, R/2]`` with ``R < D`` rotate only
-the first ``R`` dims, the rest pass through). Each dim is loaded with the one it turns with, so
-any head dim works (64, 80, 96, 128, 256); its cos/sin pair is loaded per dim, the sin negated
-for the first half, so one product-and-sum form covers both halves.
+the first ``R`` dims, the rest pass through). A head is held as its two rotating halves (and
+the dims past ``R``), each padded to a power of two, so any head dim works (64, 80, 96, 128,
+256); the full-rotary, norm-free path is the kernel as it was before these options.
 
 Products and sums are rounded to the activations' dtype where torch's elementwise version
 rounds, so without head norms the result equals ``kernels.reference.rope_write_kv`` bit for
@@ -32,41 +32,71 @@ from kernels.common import check_kv_pages, pdl_enter, pdl_kwargs, pdl_trigger
 
 
 @triton.jit
-def _heads(
-    Row,  # this token's first element of the heads (a Q or K section of the QKV row)
+def _rotate(x1, x2, c, s, DT: tl.constexpr):
+    """(x1 * c - x2 * s, x2 * c + x1 * s), each product and sum rounded to DT."""
+    a = (x1 * c).to(DT).to(tl.float32)
+    b = (x2 * s).to(DT).to(tl.float32)
+    e = (x2 * c).to(DT).to(tl.float32)
+    f = (x1 * s).to(DT).to(tl.float32)
+    return (a - b).to(DT), (e + f).to(DT)
+
+
+@triton.jit
+def _normed(x, inv, W, offs, mask, UNIT_OFFSET: tl.constexpr, DT: tl.constexpr):
+    """``x * inv`` scaled by the weights ``W[offs]`` as ``reference.rms_norm`` rounds: Gemma's
+    ``((1 + w) * x_f32).to(DT)``, else ``w * x_f32.to(DT)`` rounded to DT; float32 out."""
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
+    if UNIT_OFFSET:
+        return ((x * inv) * (1.0 + w)).to(DT).to(tl.float32)
+    return (w * (x * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rope_heads(
+    Src,  # this token's first element of the heads (a Q or K section of its QKV row)
+    Dst,  # where the first head goes (a row of QOut, a slot of KCache)
+    stride_dh,  # Dst's head stride
     W,  # [D], the heads' RMSNorm weight (HAS_NORM)
-    offs_h,  # [BH] head index
-    offs_d,  # [BD] dim index within a head
-    mask,  # [BH, BD]
-    partner,  # [BD] the dim that rotates with each one (itself past the rotated dims)
-    rotated,  # [BD] bool, the dim is among the first R
-    c,  # [1, BD] float32 cos of each dim's pair (1 past R)
-    s,  # [1, BD] float32 sin, negated for the first half (0 past R)
+    n_heads,
+    c,  # [1, BHALF] float32
+    s,  # [1, BHALF] float32
     eps,
     D: tl.constexpr,
+    HALF: tl.constexpr,  # R / 2
     HAS_NORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr,  # the activations' dtype, where torch rounds
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,  # 0: every dim rotates
 ):
-    """A token's heads ``[BH, BD]``, RMS-normalised over ``D`` (HAS_NORM), then rotated:
-    ``x * c + partner(x) * s`` on the first R dims, each product and the sum rounded to DT."""
-    pmask = mask & rotated[None, :]
-    x = tl.load(Row + offs_h[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-    xp = tl.load(Row + offs_h[:, None] * D + partner[None, :], mask=pmask, other=0.0)
-    x, xp = x.to(tl.float32), xp.to(tl.float32)
+    """A token's heads: RMS-normalised over their ``D`` dims (HAS_NORM), the first ``R``
+    rotated, the rest passed through, stored at ``Dst``."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_HALF)
+    m_r = (offs_h[:, None] < n_heads) & (offs_r[None, :] < HALF)  # [BH, BHALF]
+    src = Src + offs_h[:, None] * D
+    dst = Dst + offs_h[:, None] * stride_dh
+    x1 = tl.load(src + offs_r[None, :], mask=m_r, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs_r[None, :], mask=m_r, other=0.0).to(tl.float32)
+    if BLOCK_PASS > 0:  # partial rotary: dims R..D
+        offs_p = tl.arange(0, BLOCK_PASS)
+        m_p = (offs_h[:, None] < n_heads) & (offs_p[None, :] < D - 2 * HALF)  # [BH, BPASS]
+        xp = tl.load(src + 2 * HALF + offs_p[None, :], mask=m_p, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # [BH, 1]
-        w = tl.load(W + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(W + partner, mask=rotated, other=0.0).to(tl.float32)[None, :]
-        if UNIT_OFFSET:  # Gemma: ((1 + w) * x_f32).to(DT)
-            x = ((x * inv) * (1.0 + w)).to(DT).to(tl.float32)
-            xp = ((xp * inv) * (1.0 + wp)).to(DT).to(tl.float32)
-        else:  # Llama / Qwen3: w * x_f32.to(DT), rounded to DT
-            x = (w * (x * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-            xp = (wp * (xp * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    a = (x * c).to(DT).to(tl.float32)
-    b = (xp * s).to(DT).to(tl.float32)
-    return tl.where(rotated[None, :], (a + b).to(DT), x.to(DT))
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BH]
+        if BLOCK_PASS > 0:
+            ss += tl.sum(xp * xp, axis=1)
+        inv = tl.math.rsqrt(ss / D + eps)[:, None]  # [BH, 1]
+        x1 = _normed(x1, inv, W, offs_r, offs_r < HALF, UNIT_OFFSET, DT)
+        x2 = _normed(x2, inv, W + HALF, offs_r, offs_r < HALF, UNIT_OFFSET, DT)
+        if BLOCK_PASS > 0:
+            xp = _normed(xp, inv, W + 2 * HALF, offs_p, offs_p < D - 2 * HALF, UNIT_OFFSET, DT)
+    o1, o2 = _rotate(x1, x2, c, s, DT)
+    tl.store(dst + offs_r[None, :], o1.to(Dst.dtype.element_ty), mask=m_r)
+    tl.store(dst + HALF + offs_r[None, :], o2.to(Dst.dtype.element_ty), mask=m_r)
+    if BLOCK_PASS > 0:
+        tl.store(dst + 2 * HALF + offs_p[None, :], xp.to(Dst.dtype.element_ty), mask=m_p)
 
 
 @triton.jit
@@ -99,6 +129,8 @@ def _rope_write_kv_kernel(
     UNIT_OFFSET: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,  # 0 unless R < D
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
     CHAIN: tl.constexpr,
@@ -106,36 +138,26 @@ def _rope_write_kv_kernel(
     pdl_enter(CHAIN, PDL)  # PDL: the attention kernel after this one may start; it waits
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
-    # dim d < R/2 turns with d + R/2 (x1 * c - x2 * s), d in [R/2, R) with d - R/2
-    # (x2 * c + x1 * s); dims from R on pass through
-    offs_d = tl.arange(0, BLOCK_D)
-    first = offs_d < HALF
-    rotated = offs_d < 2 * HALF
-    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-    pair = tl.where(first, offs_d, offs_d - HALF)
-    c = tl.load(Cos + pos * stride_cos + pair, mask=rotated, other=1.0).to(tl.float32)
-    s = tl.load(Sin + pos * stride_cos + pair, mask=rotated, other=0.0).to(tl.float32)
-    c, s = c[None, :], tl.where(first, -s, s)[None, :]
+    offs_r = tl.arange(0, BLOCK_HALF)
+    r_mask = offs_r < HALF
+    c = tl.load(Cos + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     row = QKV + t * stride_t
-
-    offs_h = tl.arange(0, BLOCK_HQ)
-    mask = (offs_h[:, None] < HQ) & (offs_d[None, :] < D)  # [BHQ, BD]
-    q = _heads(row, QNorm, offs_h, offs_d, mask, partner, rotated, c, s, eps,
-               D, HAS_QNORM, UNIT_OFFSET, QOut.dtype.element_ty)  # fmt: skip
-    dst = QOut + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    tl.store(dst, q, mask=mask)
+    DT = QOut.dtype.element_ty
+    _rope_heads(row, QOut + t * stride_qt, stride_qh, QNorm, HQ, c, s, eps, D, HALF,
+                HAS_QNORM, UNIT_OFFSET, DT, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
 
     slot = tl.load(Slots + t)
     if slot >= 0:
-        offs_g = tl.arange(0, BLOCK_HKV)
-        kv_mask = (offs_g[:, None] < HKV) & (offs_d[None, :] < D)  # [BHKV, BD]
-        k = _heads(row + HQ * D, KNorm, offs_g, offs_d, kv_mask, partner, rotated, c, s, eps,
-                   D, HAS_KNORM, UNIT_OFFSET, QOut.dtype.element_ty)  # fmt: skip
-        v_src = row + (HQ + HKV) * D + offs_g[:, None] * D + offs_d[None, :]
-        v = tl.load(v_src, mask=kv_mask, other=0.0)
         page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D, HALF,
+                    HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
+        offs_g = tl.arange(0, BLOCK_HKV)
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_mask = (offs_g[:, None] < HKV) & (offs_d[None, :] < D)  # [BHKV, BD]
+        v = tl.load(row + (HQ + HKV) * D + offs_g[:, None] * D + offs_d[None, :], mask=kv_mask,
+                    other=0.0)  # fmt: skip
         c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
-        tl.store(KCache + c_off, k.to(KCache.dtype.element_ty), mask=kv_mask)
         tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
 
 
@@ -187,6 +209,8 @@ def rope_write_kv(
         UNIT_OFFSET=norm_unit_offset,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if 2 * half < d else 0,
         BLOCK_D=triton.next_power_of_2(d),
         PDL=pdl_trigger(qkv.device), **pdl_kwargs(qkv.device, chain),
         num_warps=4 if num_heads * d >= 2048 else 2,
