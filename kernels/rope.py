@@ -149,14 +149,17 @@ def _rope_write_kv_kernel(
 
     slot = tl.load(Slots + t)
     if slot >= 0:
-        page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
-        _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D, HALF,
-                    HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
+        # V is loaded before the K stores, which it would otherwise wait for (they may alias):
+        # H100, bf16, 32/8 heads of 128, one token, in a CUDA graph: 1.98 us after, 1.80
+        # before (the kernel before these options: 1.79); 16/8 of 256: 2.26 (2.24)
         offs_g = tl.arange(0, BLOCK_HKV)
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = (offs_g[:, None] < HKV) & (offs_d[None, :] < D)  # [BHKV, BD]
         v = tl.load(row + (HQ + HKV) * D + offs_g[:, None] * D + offs_d[None, :], mask=kv_mask,
                     other=0.0)  # fmt: skip
+        page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D, HALF,
+                    HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
         c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
         tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
 
