@@ -305,3 +305,52 @@ def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
     ops.rope_write_kv(torch.randn(2, 48, device=DEVICE), pos, cos, cos, cache, cache.clone(),
                       slots, 1, 1)  # fmt: skip
     assert seen == [chain] * 5
+
+
+# (hidden, heads, kv heads, head dim, rotated dims, head norms, Gemma's norms, MLP width)
+MODEL_SHAPES = {
+    "qwen3-8b": (4096, 32, 8, 128, 128, True, False, 12288),
+    "gemma3-12b": (3840, 16, 8, 256, 256, True, True, 15360),
+    "phi4-mini": (3072, 24, 8, 128, 96, False, False, 8192),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(MODEL_SHAPES))
+def test_layer_kernels_at_model_shapes_in_bf16(shape):
+    """One decode-sized and one prefill-sized step of each small kernel at a real model's
+    shape, bf16 on the GPU: RoPE without head norms and GELU bit for bit (libdevice's tanhf
+    is the one torch's CUDA kernel calls), the norms within their ulps."""
+    hidden, hq, hkv, d, rot, qk_norm, gemma, inter = MODEL_SHAPES[shape]
+    dt, eps = torch.bfloat16, 1e-6
+    center = 0.0 if gemma else 1.0
+    for t in (3, 300):
+        x, res = (torch.randn(t, hidden, device=DEVICE).to(dt) for _ in range(2))
+        w = (center + 0.3 * torch.randn(hidden, device=DEVICE)).to(dt)
+        out, new_res = add_rms_norm(x, res, w, eps, gemma)
+        ref_out, ref_res = reference.add_rms_norm(x, res, w, eps, gemma)
+        assert torch.equal(new_res, ref_res)
+        assert_within_ulp(out, ref_out, f"{shape} add_rms_norm", half_ulps=1 if gemma else 2)
+        gate_up = (torch.randn(t, 2 * inter, device=DEVICE) * 3).to(dt)
+        act = gelu_tanh_and_mul if gemma else silu_and_mul
+        ref_act = (reference.gelu_tanh_and_mul if gemma else reference.silu_and_mul)(gate_up)
+        if gemma:
+            assert torch.equal(act(gate_up), ref_act), f"{shape}: GELU differs from torch's"
+        else:
+            assert_within_ulp(act(gate_up), ref_act, f"{shape} silu_and_mul", half_ulps=2)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE).to(dt)
+        pos = torch.randint(0, 8192, (t,), device=DEVICE)
+        cos, sin = rope_tables(8192, rot, dt)
+        slots = torch.randperm(t + 16, device=DEVICE)[:t]
+        norms = [(center + 0.3 * torch.randn(d, device=DEVICE)).to(dt) for _ in range(2)]
+        norms = norms if qk_norm else [None, None]
+        caches = [torch.zeros(t // 16 + 2, 16, hkv, d, device=DEVICE, dtype=dt) for _ in range(4)]
+        args = (slots, hq, hkv, *norms, eps, gemma)
+        q = rope_write_kv(qkv, pos, cos, sin, caches[0], caches[1], *args)
+        q_ref = reference.rope_write_kv(qkv, pos, cos, sin, caches[2], caches[3], *args)
+        assert torch.equal(caches[1], caches[3])
+        if qk_norm:
+            assert_heads_close(q, q_ref, f"{shape} q")
+            assert_heads_close(caches[0], caches[2], f"{shape} k cache")
+        else:
+            assert torch.equal(q, q_ref) and torch.equal(caches[0], caches[2]), shape
