@@ -19,6 +19,7 @@ import torch
 
 from flashserve.loaders import gguf as gguf_source
 from flashserve.loaders import hf as hf_source
+from flashserve.loaders.errors import WeightsError
 from flashserve.models import LlamaForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
@@ -93,8 +94,14 @@ def _package_files() -> list[pathlib.Path]:
 def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
     config = hf_source.read_config(path)
     tokenizer = Tokenizer.from_dir(path)  # before the weights: fail fast
+    checkpoint = hf_source.Checkpoint.open(path)  # every file's header checked, no data read
     model = build_model(config, backend, device, dtype)
-    model.load_weights(hf_source.iter_weights(path))
+    try:
+        model.load_weights(checkpoint.weights())
+    except WeightsError:
+        raise
+    except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
+        raise WeightsError(checkpoint.current or path, str(exc)) from exc
     return LoadedModel(model, config, tokenizer, config.name)
 
 
