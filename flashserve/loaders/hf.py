@@ -72,7 +72,8 @@ class Checkpoint:
     @classmethod
     def open(cls, path: Path) -> Checkpoint:
         index = read_index(path) if (path / INDEX_FILE).exists() else {}
-        headers = {file: read_header(file) for file in safetensors_files(path)}
+        files = sorted(set(index.values())) if index else safetensors_files(path)
+        headers = {file: read_header(file) for file in files}
         for name, shard in index.items():
             if name not in headers[shard]:
                 raise WeightsError(shard, f"lacks tensor {name}, which {INDEX_FILE} places in it")
@@ -90,11 +91,6 @@ class Checkpoint:
             except SafetensorError as exc:  # changed since ``open`` read it?
                 raise WeightsError(file, f"unreadable: {exc}") from exc
         self.current = None
-
-
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``Checkpoint.open(path).weights()``."""
-    return Checkpoint.open(path).weights()
 
 
 def _read_json(path: Path) -> dict:
