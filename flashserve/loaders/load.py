@@ -19,7 +19,6 @@ import torch
 
 from flashserve.loaders import gguf as gguf_source
 from flashserve.loaders import hf as hf_source
-from flashserve.loaders.errors import WeightsError
 from flashserve.models import LlamaForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
@@ -98,10 +97,10 @@ def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> Lo
     model = build_model(config, backend, device, dtype)
     try:
         model.load_weights(checkpoint.weights())
-    except WeightsError:
+    except hf_source.WeightsError:
         raise
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
-        raise WeightsError(checkpoint.current or path, str(exc)) from exc
+        raise hf_source.WeightsError(checkpoint.current or path, str(exc)) from exc
     return LoadedModel(model, config, tokenizer, config.name)
 
 
