@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from flashserve.loaders.errors import WeightsError  # noqa: F401 (load.py: hf_source.WeightsError)
+from flashserve.loaders.errors import WeightsError
 from flashserve.loaders.safetensors_header import TensorInfo, read_header
 from flashserve.models.config import ModelConfig
 
