@@ -2,9 +2,10 @@
 
 One program per token row. The rounding follows ``kernels.reference``: the residual sum is
 rounded to the activations' dtype (it is the residual stream), the normalised row is computed
-in float32 and rounded to that dtype, then multiplied by the weight and rounded again. Only the
-order of the float32 sum of squares differs from torch, which moves a result by at most one
-unit in the last place of the output dtype.
+in float32 and rounded to that dtype, then multiplied by the weight and rounded again. Gemma's
+norm (``unit_offset``) scales by ``1 + w`` in float32 instead and rounds once, to the
+activations' dtype. Only the order of the float32 sum of squares differs from torch, which
+moves a result by at most one unit in the last place of the output dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _rms_norm_kernel(
     eps,
     H: tl.constexpr,
     HAS_RES: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,  # Gemma: scale by 1 + w in float32, one rounding
     BLOCK: tl.constexpr,
     CHAIN: tl.constexpr,
 ):
@@ -44,12 +46,15 @@ def _rms_norm_kernel(
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    y = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + offs, (w * y).to(Out.dtype.element_ty), mask=mask)
+    if UNIT_OFFSET:
+        y = (xf * inv) * (1.0 + w)
+    else:
+        y = w * (xf * inv).to(x.dtype).to(tl.float32)
+    tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out, res_out, chain) -> None:
+def _launch(x, residual, weight, eps, unit_offset, out, res_out, chain) -> None:
     t, h = x.shape
     if t == 0:
         return
@@ -59,9 +64,16 @@ def _launch(x, residual, weight, eps, out, res_out, chain) -> None:
         x, residual if has_res else x, weight, out, res_out if has_res else out,
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
         res_out.stride(0) if has_res else 0, eps,
-        H=h, HAS_RES=has_res, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+        H=h, HAS_RES=has_res, UNIT_OFFSET=unit_offset, BLOCK=block,
+        num_warps=max(1, min(16, block // 512)),
         **pdl_kwargs(x.device, chain),
     )  # fmt: skip
+
+
+def _out_dtype(x_dtype: torch.dtype, weight: torch.Tensor, unit_offset: bool) -> torch.dtype:
+    """torch's: ``weight * normed`` promotes; Gemma's ``((1 + w) * normed_f32).to(x.dtype)``
+    does not."""
+    return x_dtype if unit_offset else torch.promote_types(x_dtype, weight.dtype)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -76,14 +88,16 @@ def rms_norm(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    unit_offset: bool = False,
     *,
     chain: bool = True,
-) -> torch.Tensor:  # [T, H], in the dtype ``weight * x`` has in torch
-    """``kernels.reference.rms_norm`` in one kernel; ``chain``: join the decode layer's PDL
-    chain where the device supports it (``kernels.common.pdl_chain``)."""
+) -> torch.Tensor:  # [T, H], in the dtype torch's version returns
+    """``kernels.reference.rms_norm`` in one kernel (``unit_offset``: Gemma's ``(1 + w)``
+    norm); ``chain``: join the decode layer's PDL chain where the device supports it
+    (``kernels.common.pdl_chain``)."""
     _check(x, weight)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _launch(x, None, weight, eps, out, None, chain)
+    out = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight, unit_offset), device=x.device)
+    _launch(x, None, weight, eps, unit_offset, out, None, chain)
     return out
 
 
@@ -92,17 +106,19 @@ def add_rms_norm(
     residual: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    unit_offset: bool = False,
     *,
     chain: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + x), residual + x
-    """``kernels.reference.add_rms_norm`` in one kernel; ``chain``: join the decode layer's PDL
-    chain where the device supports it (``kernels.common.pdl_chain``)."""
+    """``kernels.reference.add_rms_norm`` in one kernel (``unit_offset``: Gemma's ``(1 + w)``
+    norm); ``chain``: join the decode layer's PDL chain where the device supports it
+    (``kernels.common.pdl_chain``)."""
     _check(x, weight)
     if residual.shape != x.shape or residual.stride(1) != 1:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     res_out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
                           device=x.device)  # fmt: skip
-    dt = torch.promote_types(res_out.dtype, weight.dtype)
-    out = torch.empty(x.shape, dtype=dt, device=x.device)
-    _launch(x, residual, weight, eps, out, res_out, chain)
+    out = torch.empty(x.shape, dtype=_out_dtype(res_out.dtype, weight, unit_offset),
+                      device=x.device)  # fmt: skip
+    _launch(x, residual, weight, eps, unit_offset, out, res_out, chain)
     return out, res_out

@@ -1,13 +1,25 @@
 """Rotary position embedding of a step's queries and keys, fused with the KV store (Triton).
 
 One program per token reads its row of the fused QKV projection, rotates the query and key heads
-by the token's position (``x * cos + rotate_half(x) * sin``, the two halves of the head dim
-rotating together), writes the rotated queries out, and stores the rotated keys and the values
-in the paged cache at the token's slot (-1: a CUDA-graph padding token, not stored). Products
-and sums are rounded to the activations' dtype where torch's elementwise version rounds, so the
-result equals ``kernels.reference.rope_write_kv``: Triton turns the rounded float32 products
-into native bf16/fp16 multiplies, and with FP fusion on (its default) would merge a multiply
-and the following add into one FMA, which skips a rounding; the kernel is compiled without.
+by the token's position (``x * cos + rotate_half(x) * sin``, the two halves of the rotated dims
+turning together), writes the rotated queries out, and stores the rotated keys and the values
+in the paged cache at the token's slot (-1: a CUDA-graph padding token, not stored).
+
+Two options of the newer architectures ride along in the same pass, as the program already
+holds each of its token's heads: per-head RMSNorm of q and k over the head dim before the
+rotation (Qwen3, Gemma 3: ``q_norm``/``k_norm``, Gemma's ``(1 + w)`` form with
+``norm_unit_offset``), and partial rotary (Phi: tables ``[P, R/2]`` with ``R < D`` rotate only
+the first ``R`` dims, the rest pass through). A head is held as its two rotating halves (and
+the dims past ``R``), each padded to a power of two, so any head dim works (64, 80, 96, 128,
+256); the full-rotary, norm-free path is the kernel as it was before these options.
+
+Products and sums are rounded to the activations' dtype where torch's elementwise version
+rounds, so without head norms the result equals ``kernels.reference.rope_write_kv`` bit for
+bit: Triton turns the rounded float32 products into native bf16/fp16 multiplies, and with FP
+fusion on (its default) would merge a multiply and the following add into one FMA, which skips
+a rounding; the kernel is compiled without. The head norms round as ``reference.rms_norm``
+does; only the order of their float32 sum of squares differs from torch (an ulp of the normed
+value at most, which the rotation carries along).
 """
 
 from __future__ import annotations
@@ -30,11 +42,71 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
 
 
 @triton.jit
+def _normed(x, inv, W, offs, mask, UNIT_OFFSET: tl.constexpr, DT: tl.constexpr):
+    """``x * inv`` scaled by the weights ``W[offs]`` as ``reference.rms_norm`` rounds: Gemma's
+    ``((1 + w) * x_f32).to(DT)``, else ``w * x_f32.to(DT)`` rounded to DT; float32 out."""
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
+    if UNIT_OFFSET:
+        return ((x * inv) * (1.0 + w)).to(DT).to(tl.float32)
+    return (w * (x * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rope_heads(
+    Src,  # this token's first element of the heads (a Q or K section of its QKV row)
+    Dst,  # where the first head goes (a row of QOut, a slot of KCache)
+    stride_dh,  # Dst's head stride
+    W,  # [D], the heads' RMSNorm weight (HAS_NORM)
+    n_heads,
+    c,  # [1, BHALF] float32
+    s,  # [1, BHALF] float32
+    eps,
+    D: tl.constexpr,
+    HALF: tl.constexpr,  # R / 2
+    HAS_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    DT: tl.constexpr,  # the activations' dtype, where torch rounds
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,  # 0: every dim rotates
+):
+    """A token's heads: RMS-normalised over their ``D`` dims (HAS_NORM), the first ``R``
+    rotated, the rest passed through, stored at ``Dst``."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_HALF)
+    m_r = (offs_h[:, None] < n_heads) & (offs_r[None, :] < HALF)  # [BH, BHALF]
+    src = Src + offs_h[:, None] * D
+    dst = Dst + offs_h[:, None] * stride_dh
+    x1 = tl.load(src + offs_r[None, :], mask=m_r, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs_r[None, :], mask=m_r, other=0.0).to(tl.float32)
+    if BLOCK_PASS > 0:  # partial rotary: dims R..D
+        offs_p = tl.arange(0, BLOCK_PASS)
+        m_p = (offs_h[:, None] < n_heads) & (offs_p[None, :] < D - 2 * HALF)  # [BH, BPASS]
+        xp = tl.load(src + 2 * HALF + offs_p[None, :], mask=m_p, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BH]
+        if BLOCK_PASS > 0:
+            ss += tl.sum(xp * xp, axis=1)
+        inv = tl.math.rsqrt(ss / D + eps)[:, None]  # [BH, 1]
+        x1 = _normed(x1, inv, W, offs_r, offs_r < HALF, UNIT_OFFSET, DT)
+        x2 = _normed(x2, inv, W + HALF, offs_r, offs_r < HALF, UNIT_OFFSET, DT)
+        if BLOCK_PASS > 0:
+            xp = _normed(xp, inv, W + 2 * HALF, offs_p, offs_p < D - 2 * HALF, UNIT_OFFSET, DT)
+    o1, o2 = _rotate(x1, x2, c, s, DT)
+    tl.store(dst + offs_r[None, :], o1.to(Dst.dtype.element_ty), mask=m_r)
+    tl.store(dst + HALF + offs_r[None, :], o2.to(Dst.dtype.element_ty), mask=m_r)
+    if BLOCK_PASS > 0:
+        tl.store(dst + 2 * HALF + offs_p[None, :], xp.to(Dst.dtype.element_ty), mask=m_p)
+
+
+@triton.jit
 def _rope_write_kv_kernel(
     QKV,  # [T, (Hq + 2 Hkv) * D]
     Pos,  # [T] int64
-    Cos,  # [P, D/2]
-    Sin,  # [P, D/2]
+    Cos,  # [P, R/2]
+    Sin,  # [P, R/2]
+    QNorm,  # [D] (HAS_QNORM)
+    KNorm,  # [D] (HAS_KNORM)
     QOut,  # [T, Hq, D]
     KCache,  # [N, BS, Hkv, D]
     VCache,  # [N, BS, Hkv, D]
@@ -46,64 +118,66 @@ def _rope_write_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    eps,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
-    HALF: tl.constexpr,  # D / 2
+    D: tl.constexpr,
+    HALF: tl.constexpr,  # R / 2, R <= D the rotated dims
     PAGE: tl.constexpr,
+    HAS_QNORM: tl.constexpr,
+    HAS_KNORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,  # 0 unless R < D
+    BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
     CHAIN: tl.constexpr,
 ):
     pdl_enter(CHAIN, PDL)  # PDL: the attention kernel after this one may start; it waits
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    c = tl.load(Cos + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(Sin + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    offs_r = tl.arange(0, BLOCK_HALF)
+    r_mask = offs_r < HALF
+    c = tl.load(Cos + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     row = QKV + t * stride_t
-
-    offs_h = tl.arange(0, BLOCK_HQ)
-    mask = (offs_h[:, None] < HQ) & d_mask[None, :]  # [BHQ, BHALF]
-    src = row + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1, o2 = _rotate(x1, x2, c, s, QOut.dtype.element_ty)
-    dst = QOut + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    tl.store(dst, o1, mask=mask)
-    tl.store(dst + HALF, o2, mask=mask)
+    DT = QOut.dtype.element_ty
+    _rope_heads(row, QOut + t * stride_qt, stride_qh, QNorm, HQ, c, s, eps, D, HALF,
+                HAS_QNORM, UNIT_OFFSET, DT, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
 
     slot = tl.load(Slots + t)
     if slot >= 0:
+        # V is loaded before the K stores, which it would otherwise wait for (they may alias):
+        # H100, bf16, 32/8 heads of 128, one token, in a CUDA graph: 1.98 us after, 1.80
+        # before (the kernel before these options: 1.79); 16/8 of 256: 2.26 (2.24)
         offs_g = tl.arange(0, BLOCK_HKV)
-        kv_mask = (offs_g[:, None] < HKV) & d_mask[None, :]  # [BHKV, BHALF]
-        k_src = row + HQ * 2 * HALF + offs_g[:, None] * (2 * HALF) + offs_d[None, :]
-        v_src = k_src + HKV * 2 * HALF
-        k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
-        k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-        v1 = tl.load(v_src, mask=kv_mask, other=0.0)
-        v2 = tl.load(v_src + HALF, mask=kv_mask, other=0.0)
-        k1, k2 = _rotate(k1, k2, c, s, QOut.dtype.element_ty)
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_mask = (offs_g[:, None] < HKV) & (offs_d[None, :] < D)  # [BHKV, BD]
+        v = tl.load(row + (HQ + HKV) * D + offs_g[:, None] * D + offs_d[None, :], mask=kv_mask,
+                    other=0.0)  # fmt: skip
         page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D, HALF,
+                    HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
         c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
-        tl.store(KCache + c_off, k1.to(KCache.dtype.element_ty), mask=kv_mask)
-        tl.store(KCache + c_off + HALF, k2.to(KCache.dtype.element_ty), mask=kv_mask)
-        tl.store(VCache + c_off, v1.to(VCache.dtype.element_ty), mask=kv_mask)
-        tl.store(VCache + c_off + HALF, v2.to(VCache.dtype.element_ty), mask=kv_mask)
+        tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
 
 
 def rope_write_kv(
     qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]
     positions: torch.Tensor,  # [T] int64
-    cos: torch.Tensor,  # [P, D/2]
-    sin: torch.Tensor,  # [P, D/2]
+    cos: torch.Tensor,  # [P, R/2], R <= D the rotated dims
+    sin: torch.Tensor,  # [P, R/2]
     k_cache: torch.Tensor,  # [N, BS, Hkv, D]
     v_cache: torch.Tensor,  # [N, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64; -1 marks a padding token that is not stored
     num_heads: int,
     num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,  # [D]: RMSNorm each query head first (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None,  # [D]: the same for each key head
+    norm_eps: float = 1e-6,
+    norm_unit_offset: bool = False,  # the q/k norms are Gemma's ``(1 + w)`` norms
     *,
     chain: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
@@ -115,24 +189,47 @@ def rope_write_kv(
         raise ValueError(f"qkv must be [T, {(num_heads + 2 * num_kv_heads) * d}] with "
                          f"contiguous rows; got {tuple(qkv.shape)}")  # fmt: skip
     check_kv_pages(k_cache, v_cache, num_kv_heads, d)
-    if d % 2 or cos.shape[1:] != (d // 2,) or sin.shape != cos.shape or cos.stride(1) != 1:
-        raise ValueError(f"cos and sin must be [P, {d // 2}]; got {tuple(cos.shape)}")
+    half = cos.shape[1] if cos.dim() == 2 else 0
+    if not 0 < half <= d // 2 or sin.shape != cos.shape or cos.stride(1) != 1:
+        raise ValueError(f"cos and sin must be [P, R/2] with R <= {d}; got {tuple(cos.shape)}")
+    if sin.stride() != cos.stride():
+        raise ValueError("cos and sin must have the same strides")
     if positions.shape != (t,) or slot_mapping.shape != (t,):
         raise ValueError(f"positions and slot_mapping must be [{t}]")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _check_norm(name, w, d, qkv.dtype, norm_unit_offset)
     page = k_cache.shape[1]
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
     _rope_write_kv_kernel[(t,)](
-        qkv, positions, cos, sin, q, k_cache, v_cache, slot_mapping,
+        qkv, positions, cos, sin, qkv if q_norm is None else q_norm,
+        qkv if k_norm is None else k_norm, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, PAGE=page,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), norm_eps,
+        HQ=num_heads, HKV=num_kv_heads, D=d, HALF=half, PAGE=page,
+        HAS_QNORM=q_norm is not None, HAS_KNORM=k_norm is not None,
+        UNIT_OFFSET=norm_unit_offset,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(d // 2),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if 2 * half < d else 0,
+        BLOCK_D=triton.next_power_of_2(d),
         PDL=pdl_trigger(qkv.device), **pdl_kwargs(qkv.device, chain),
         num_warps=4 if num_heads * d >= 2048 else 2,
         enable_fp_fusion=False,  # a fused multiply-add would skip a rounding torch does
     )  # fmt: skip
     return q
+
+
+def _check_norm(
+    name: str, w: torch.Tensor | None, d: int, dtype: torch.dtype, unit_offset: bool
+) -> None:
+    """A head norm's weight is ``[D]``, contiguous; in the activations' dtype unless it is
+    Gemma's (torch's ``w * x`` would promote the queries to the weight's dtype)."""
+    if w is None:
+        return
+    if w.shape != (d,) or w.stride(0) != 1:
+        raise ValueError(f"{name} must be a contiguous [{d}]; got {tuple(w.shape)}")
+    if not unit_offset and w.dtype != dtype:
+        raise ValueError(f"{name} is {w.dtype}, the activations {dtype}: they must match")

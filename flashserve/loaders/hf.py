@@ -1,14 +1,20 @@
-"""Hugging Face model directories: ``config.json`` plus one or more ``*.safetensors`` files."""
+"""Hugging Face model directories: ``config.json`` plus one or more ``*.safetensors`` files.
+
+Every file's header is read and checked (``Checkpoint.open``) before the model is allocated or
+any weight copied, so a bad download fails at once, in one line naming the file."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from flashserve.loaders.errors import WeightsError
+from flashserve.loaders.safetensors_header import TensorInfo, read_header
 from flashserve.models.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,11 +34,7 @@ def read_config(path: Path) -> ModelConfig:
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's files: the shards an index names, or the single file."""
     if (path / INDEX_FILE).exists():
-        shards = sorted(set(_read_json(path / INDEX_FILE)["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).exists()]
-        if missing:
-            raise FileNotFoundError(f"{path / INDEX_FILE} names shards that are absent: {missing}")
-        return [path / s for s in shards]
+        return sorted(set(read_index(path).values()))
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
     found = sorted(p.name for p in path.iterdir())
@@ -42,17 +44,63 @@ def safetensors_files(path: Path) -> list[Path]:
     )
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, one at a time, as stored (memory-mapped, on the CPU);
-    the caller copies each into its parameter, converting device and dtype there."""
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def read_index(path: Path) -> dict[str, Path]:
+    """``model.safetensors.index.json``'s weight map: tensor name -> its shard, each shard
+    there (WeightsError naming the index or the first missing shard otherwise)."""
+    index = path / INDEX_FILE
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightsError(index, "corrupt: no weight_map of tensor names to shard files")
+    shards = {name: path / shard for name, shard in weight_map.items()}
+    missing = sorted({s for s in shards.values() if not s.is_file()})
+    if missing:
+        more = f" (and {len(missing) - 1} more shards)" if len(missing) > 1 else ""
+        raise WeightsError(missing[0], f"missing: {INDEX_FILE} places tensors in this shard{more}")
+    return shards
+
+
+@dataclass
+class Checkpoint:
+    """A directory's safetensors files with their headers read and checked (``open``): a
+    truncated or corrupt file, a missing shard, a tensor the index places in a shard that
+    lacks it, a parameter that is not float: each a WeightsError before any data is read."""
+
+    path: Path
+    headers: dict[Path, dict[str, TensorInfo]]  # file -> its tensors
+    current: Path | None = None  # the file ``weights`` is reading (None before and after)
+
+    @classmethod
+    def open(cls, path: Path) -> Checkpoint:
+        index = read_index(path) if (path / INDEX_FILE).exists() else {}
+        files = sorted(set(index.values())) if index else safetensors_files(path)
+        headers = {file: read_header(file) for file in files}
+        for name, shard in index.items():
+            if name not in headers[shard]:
+                raise WeightsError(shard, f"lacks tensor {name}, which {INDEX_FILE} places in it")
+        return cls(path, headers)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, one at a time, as stored (memory-mapped, on the CPU); the caller
+        copies each into its parameter, converting device and dtype there."""
+        for file in self.headers:
+            self.current = file
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except SafetensorError as exc:  # changed since ``open`` read it?
+                raise WeightsError(file, f"unreadable: {exc}") from exc
+        self.current = None
 
 
 def _read_json(path: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found")
-    with path.open() as f:
-        return json.load(f)
+    try:
+        with path.open() as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightsError(path, f"corrupt: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise WeightsError(path, "corrupt: not a JSON object")
+    return data

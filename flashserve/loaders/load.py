@@ -93,8 +93,14 @@ def _package_files() -> list[pathlib.Path]:
 def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
     config = hf_source.read_config(path)
     tokenizer = Tokenizer.from_dir(path)  # before the weights: fail fast
+    checkpoint = hf_source.Checkpoint.open(path)  # every file's header checked, no data read
     model = build_model(config, backend, device, dtype)
-    model.load_weights(hf_source.iter_weights(path))
+    try:
+        model.load_weights(checkpoint.weights())
+    except hf_source.WeightsError:
+        raise
+    except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
+        raise hf_source.WeightsError(checkpoint.current or path, str(exc)) from exc
     return LoadedModel(model, config, tokenizer, config.name)
 
 

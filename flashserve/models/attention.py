@@ -65,11 +65,13 @@ class AttentionBackend(ABC):
 
     name: str
     linear: Op  # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]
-    rms_norm: Op  # (x [T, H], weight [H], eps) -> [T, H]
-    add_rms_norm: Op  # (x, residual, weight, eps) -> (normed [T, H], new residual [T, H])
+    rms_norm: Op  # (x [T, H], weight [H], eps, unit_offset=False) -> [T, H]
+    add_rms_norm: Op  # (x, residual, weight, eps, unit_offset=False) -> (normed, new residual)
     silu_and_mul: Op  # [T, 2I] -> [T, I]
     gelu_tanh_and_mul: Op  # [T, 2I] -> [T, I]
-    rope_write_kv: Op  # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv) -> q
+    # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv, q_norm=None, k_norm=None,
+    #  norm_eps=1e-6, norm_unit_offset=False) -> q [T, Hq, D]
+    rope_write_kv: Op
     decode_attention: Op  # one query token per sequence over its paged KV
     prefill_attention: Op  # causal chunks over their cached context plus themselves
 
@@ -164,8 +166,7 @@ class TritonBackend(AttentionBackend):
         super().__init__()
 
     def _ops(self) -> dict[str, Op]:
-        from kernels import reference
-        from kernels.activation import silu_and_mul
+        from kernels.activation import gelu_tanh_and_mul, silu_and_mul
         from kernels.decode import decode_attention
         from kernels.gemv import linear
         from kernels.norm import add_rms_norm, rms_norm
@@ -173,12 +174,11 @@ class TritonBackend(AttentionBackend):
         from kernels.rope import rope_write_kv
 
         chained = {"linear": linear, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm,
-                   "silu_and_mul": silu_and_mul, "rope_write_kv": rope_write_kv,
+                   "silu_and_mul": silu_and_mul, "gelu_tanh_and_mul": gelu_tanh_and_mul,
+                   "rope_write_kv": rope_write_kv,
                    "decode_attention": decode_attention}  # fmt: skip
         ops = {name: partial(fn, chain=self.pdl_chain) for name, fn in chained.items()}
-        unchained = {"prefill_attention": prefill_attention,
-                     "gelu_tanh_and_mul": reference.gelu_tanh_and_mul}  # fmt: skip
-        return {**ops, **unchained}
+        return {**ops, "prefill_attention": prefill_attention}
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
