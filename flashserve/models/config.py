@@ -169,44 +169,6 @@ class ModelConfig:
 
         return cls(**config_kwargs(d, name))
 
-    @classmethod
-    def from_gguf_metadata(
-        cls,
-        meta: dict[str, Any],
-        tensor_names: set[str],
-        rope_freqs: list[float] | None = None,
-        name: str = "",
-    ) -> ModelConfig:
-        """From GGUF key/value metadata (``{key: python value}``) and the file's tensor names.
-
-        rope_freqs: the contents of the ``rope_freqs.weight`` tensor when the file has one.
-        """
-        arch = meta["general.architecture"]
-        if arch not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r} (llama or qwen2)")
-        g = lambda key, default=None: meta.get(f"{arch}.{key}", default)
-        hidden, heads = g("embedding_length"), g("attention.head_count")
-        head_dim = g("attention.key_length") or g("rope.dimension_count") or hidden // heads
-        return cls(
-            architecture=arch,
-            vocab_size=_gguf_vocab_size(meta, arch),
-            hidden_size=hidden,
-            intermediate_size=g("feed_forward_length"),
-            num_hidden_layers=g("block_count"),
-            num_attention_heads=heads,
-            num_key_value_heads=g("attention.head_count_kv") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(g("rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(g, rope_freqs),
-            max_position_embeddings=g("context_length", 2048),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
-            attention_out_bias="blk.0.attn_output.bias" in tensor_names,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_gguf_eos_ids(meta),
-            name=name or meta.get("general.name", ""),
-        )
 
 
 def normalize_rope(
@@ -238,30 +200,3 @@ def normalize_rope(
             raise ValueError(f"rope_scaling {kind!r}: {key} has {len(scaling[key])} values, "
                              f"the rotary dims need {rotary_dim // 2}")  # fmt: skip
     return scaling
-
-
-def _gguf_vocab_size(meta: dict[str, Any], arch: str) -> int:
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        return len(tokens)
-    if f"{arch}.vocab_size" in meta:
-        return meta[f"{arch}.vocab_size"]
-    raise ValueError("GGUF file has neither tokenizer.ggml.tokens nor a vocab_size key")
-
-
-def _gguf_rope_scaling(g, rope_freqs: list[float] | None) -> dict[str, Any] | None:
-    if rope_freqs is not None:
-        return {"rope_type": "freq_factors", "factors": list(rope_freqs)}
-    kind = g("rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind != "linear":
-        raise ValueError(f"unsupported GGUF rope.scaling.type {kind!r} (linear only)")
-    return {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
-
-
-def _gguf_eos_ids(meta: dict[str, Any]) -> list[int]:
-    """The end-of-sequence id plus end-of-turn / end-of-message ids when present."""
-    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    ids = [meta.get(f"tokenizer.ggml.{k}") for k in keys]
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
