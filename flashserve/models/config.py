@@ -170,7 +170,6 @@ class ModelConfig:
         return cls(**config_kwargs(d, name))
 
 
-
 def normalize_rope(
     scaling: dict[str, Any] | None, rotary_dim: int, max_positions: int
 ) -> dict[str, Any] | None:
