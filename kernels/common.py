@@ -4,6 +4,8 @@ checks, and the zeroed counters of in-kernel merges."""
 from __future__ import annotations
 
 import functools
+import math
+import operator
 
 import torch
 import triton
@@ -72,11 +74,19 @@ _LOG2E = 1.4426950408889634
 def check_window_softcap(window: int, softcap: float) -> tuple[int, float]:
     """A layer's sliding window (tokens, 0: none) and logit soft-cap (0: none) as the attention
     launchers take them: host numbers, ValueError if negative or not numbers."""
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+    try:
+        w = -1 if isinstance(window, bool) else operator.index(window)
+    except TypeError:
+        w = -1
+    if w < 0:
         raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+    try:
+        cap = -1.0 if isinstance(softcap, bool) else float(softcap)
+    except (TypeError, ValueError):
+        cap = -1.0
+    if not 0 <= cap < math.inf:
         raise ValueError(f"softcap must be a float >= 0 (0: no soft-capping), got {softcap!r}")
-    return window, float(softcap)
+    return w, cap
 
 
 def softcap_factors(scale: float, softcap: float) -> tuple[float, float]:
