@@ -334,7 +334,7 @@ class DecodeTuning:
     # decode_config's tiles for head dims over 128 (Gemma 2/3: 256). A 32 x 256 K or V tile
     # is as many bytes as the 64 x 128 tile of head dim 128, so (32, 4, 4) keeps that
     # pipeline's 3 tiles in flight in the same shared memory (3 x 32 KB + q: 2 programs per
-    # SM). Compile report (sm_90, Triton 3.6): docs/benchmarks/kernels-notes.md; not yet
+    # SM). Compile report (sm_90, Triton 3.9): docs/benchmarks/kernels-notes.md; not yet
     # timed against (64, 4, 3) or 8 warps.
     wide_tiles: tuple[int, int, int] = (32, 4, 4)
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
