@@ -10,6 +10,16 @@ on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA
 FlashAttention-2 and cuDNN backends. The device-to-device copy bandwidth is measured in the
 same run and is the 100% of the decode table's % columns (GB/s: KV bytes read per second).
 ``--sweep`` times tuning variants instead.
+
+``--window W`` times sliding windows instead (issue 14's target: at 128K context, a layer with
+a 4,096-token window within 10% of the same kernel at a 4K context). Decode, per head shape
+and batch: the global kernel at a context of W, the windowed kernel at W, and the windowed
+kernel at ``--window-context`` (128K). Prefill, per chunk of C tokens: the chunk after W
+cached tokens (global, then windowed: each query sees W keys), and the windowed chunk at the
+end of the long context. The windowed inputs hold only the window's pages (the block-table
+entries left of it point at arbitrary pages the kernels never read), so the input sets rotate
+over the bytes actually read, as the global ones do; ratios are the long context's time over
+each 4K one's (medians of alternated rounds).
 """
 
 from __future__ import annotations
@@ -94,41 +104,59 @@ def copy_bandwidth() -> float:
 
 class DecodeInputs:
     """``n`` independent input sets for one (batch, context) point, paged with ``page``; the
-    pages of a set are shuffled, or with ``shuffle=False`` in order (each sequence contiguous)."""
+    pages of a set are shuffled, or with ``shuffle=False`` in order (each sequence contiguous).
+    ``live``: only the pages of each sequence's last ``live`` tokens exist (a sliding window's);
+    the block-table entries left of them point at random pages of the set."""
 
     def __init__(
-        self, bsz: int, ctx: int, page: int, n: int, hq: int = HQ, hkv: int = HKV, shuffle=True
-    ):
+        self, bsz: int, ctx: int, page: int, n: int, hq: int = HQ, hkv: int = HKV, shuffle=True,
+        d: int = D, live: int | None = None,
+    ):  # fmt: skip
         self.bsz, self.ctx, self.page = bsz, ctx, page
-        nb = bsz * ctx // page
+        width = ctx // page
+        first = 0 if live is None else max(0, ctx - live) // page  # the first live page
+        nb = bsz * (width - first)
         self.sets = []
         for _ in range(n):
-            k = torch.randn(nb, page, hkv, D, device=DEV, dtype=DT)
-            v = torch.randn(nb, page, hkv, D, device=DEV, dtype=DT)
+            k = torch.randn(nb, page, hkv, d, device=DEV, dtype=DT)
+            v = torch.randn(nb, page, hkv, d, device=DEV, dtype=DT)
             ids = torch.randperm(nb, device=DEV) if shuffle else torch.arange(nb, device=DEV)
-            bt = ids.to(torch.int32).view(bsz, ctx // page)
-            q = torch.randn(bsz, hq, D, device=DEV, dtype=DT)
+            bt = torch.randint(0, nb, (bsz, width), device=DEV, dtype=torch.int32)
+            bt[:, first:] = ids.to(torch.int32).view(bsz, width - first)
+            q = torch.randn(bsz, hq, d, device=DEV, dtype=DT)
             self.sets.append((q, k, v, bt, torch.empty_like(q)))
         self.seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
 
 
-def kv_bytes(bsz: int, ctx: int) -> int:
-    return bsz * ctx * HKV * D * 2 * DT.itemsize
+def kv_bytes(bsz: int, ctx: int, hkv: int = HKV, d: int = D) -> int:
+    return bsz * ctx * hkv * d * 2 * DT.itemsize
 
 
-def n_sets(bsz: int, ctx: int) -> int:
-    return 1 if SMOKE else max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes(bsz, ctx))))
+def n_sets(bsz: int, ctx: int, hkv: int = HKV, d: int = D) -> int:
+    return 1 if SMOKE else max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes(bsz, ctx, hkv, d))))
 
 
-def time_ours(bsz, ctx, page=16, hq=HQ, hkv=HKV, shuffle=True, **kw) -> float:
+def time_ours(bsz, ctx, page=16, hq=HQ, hkv=HKV, shuffle=True, d=D, window=0, **kw) -> float:
+    """µs per decode call; ``window`` > 0: windowed calls over pools of the window's pages."""
     from kernels.decode import decode_attention
 
-    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx), hq, hkv, shuffle)
-    sl, scale = inp.seq_lens, D**-0.5
+    read = min(ctx, window) if window else ctx  # tokens a row reads: the rotation's bytes
+    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, read, hkv, d), hq, hkv, shuffle, d,
+                       live=window or None)  # fmt: skip
+    sl, scale = inp.seq_lens, d**-0.5
     calls = [
         (
             lambda s=s: decode_attention(
-                s[0], s[1], s[2], sl, s[3], scale, max_seq_len=ctx, out=s[4], **kw
+                s[0],
+                s[1],
+                s[2],
+                sl,
+                s[3],
+                scale,
+                max_seq_len=ctx,
+                out=s[4],
+                window=window,
+                **kw,
             )
         )  # fmt: skip
         for s in inp.sets
@@ -203,6 +231,43 @@ def time_prefill_ours(n: int, page: int = 16, d: int = D, **kw) -> float:
     return bench_time(
         lambda: prefill_attention(
             q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, max_seq_len=n, out=out, **kw
+        )  # fmt: skip
+    )
+
+
+def time_prefill_chunk(
+    chunk: int, seq_len: int, window: int = 0, hq: int = HQ, hkv: int = HKV, d: int = D,
+    page: int = 16, **kw,
+) -> float:  # fmt: skip
+    """µs of one prefill call: a chunk of ``chunk`` queries at the end of ``seq_len`` tokens;
+    with a ``window``, the pool holds only the pages from the chunk's first window on."""
+    from kernels.prefill import prefill_attention
+
+    width = -(-seq_len // page)
+    first = max(0, seq_len - chunk - window + 1) // page if window else 0
+    nb = width - first
+    k = torch.randn(nb, page, hkv, d, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    bt = torch.randint(0, nb, (1, width), device=DEV, dtype=torch.int32)
+    bt[0, first:] = torch.randperm(nb, device=DEV, dtype=torch.int32)
+    q = torch.randn(chunk, hq, d, device=DEV, dtype=DT)
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([seq_len], dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    return bench_time(
+        lambda: prefill_attention(
+            q,
+            k,
+            v,
+            cu,
+            sl,
+            bt,
+            d**-0.5,
+            max_query_len=chunk,
+            max_seq_len=seq_len,
+            out=out,
+            window=window,
+            **kw,
         )  # fmt: skip
     )
 
@@ -300,6 +365,57 @@ def prefill_table(sizes) -> list[dict]:
         rows.append(r)
         print("  " + json.dumps(r), flush=True)
     return rows
+
+
+WINDOW_VARIANTS = ("global_4k", "window_4k", "window_long")
+
+
+def window_table(window: int, long_ctx: int, heads, batches, chunks, softcap=0.0) -> list[dict]:
+    """The sliding-window target (module doc): per head shape ``(hq, hkv, d)``, decode per
+    batch and prefill per chunk, the three variants timed ``ROUNDS`` times, alternated."""
+    rows = []
+    for hq, hkv, d in heads:
+        common = {"hq": hq, "hkv": hkv, "d": d, "softcap": softcap}
+        for kind, n in [("decode", b) for b in batches] + [("prefill", c) for c in chunks]:
+            if kind == "decode":  # a row reads `window` tokens in all three
+                fn, short, long = time_ours, (n, window), (n, long_ctx)
+            else:  # after `window` cached tokens: each query sees window + i keys, or window
+                fn, short, long = time_prefill_chunk, (n, window + n), (n, long_ctx)
+            runs = {"global_4k": (short, 0), "window_4k": (short, window),
+                    "window_long": (long, window)}  # fmt: skip
+            times = {v: [] for v in WINDOW_VARIANTS}
+            for _ in range(ROUNDS):
+                for v in WINDOW_VARIANTS:
+                    args, w = runs[v]
+                    times[v].append(attempt(fn, *args, window=w, **common))
+            r = {"kind": kind, "heads": f"{hq}/{hkv}/{d}",
+                 "batch" if kind == "decode" else "chunk": n, "window": window,
+                 "long_context": long_ctx, "softcap": softcap}  # fmt: skip
+            for v in WINDOW_VARIANTS:
+                r[f"{v}_us"], r[f"{v}_rounds"] = _median(times[v]), times[v]
+            long_us = r["window_long_us"]
+            for base in ("global_4k", "window_4k"):
+                us = r[f"{base}_us"]
+                r[f"long_over_{base}"] = long_us / us if long_us and us else None
+            rows.append(r)
+            print("  " + json.dumps(r), flush=True)
+    return rows
+
+
+def print_window_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    w, long_ctx = rows[0]["window"], rows[0]["long_context"]
+    print(f"\nwindow {w}, long context {long_ctx // 1024}K, soft-cap {rows[0]['softcap']}: "
+          f"µs; the target is {long_ctx // 1024}K windowed / 4K at most 1.10")  # fmt: skip
+    print("| kernel | heads | batch / chunk | global @ctx W | windowed @ctx W | windowed @long "
+          "| long / global | long / windowed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        n = r.get("batch", r.get("chunk"))
+        cells = [fmt(r[f"{v}_us"], ",.1f") for v in WINDOW_VARIANTS]
+        cells += [fmt(r["long_over_global_4k"], ".3f"), fmt(r["long_over_window_4k"], ".3f")]
+        print(f"| {r['kind']} | {r['heads']} | {n} | " + " | ".join(cells) + " |")
 
 
 DECODE_CONFIGS = [  # DecodeTuning.tiles; the first is decode_config's default
@@ -435,7 +551,17 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--prefill", default="4096,16384")
     ap.add_argument("--points", help="decode sweep points, e.g. 1x4096,32x131072")
+    ap.add_argument("--window", type=int, help="time sliding windows of this many tokens "
+                    "instead (decode per --batches, prefill per --window-chunks)")  # fmt: skip
+    ap.add_argument("--window-context", type=int, default=131072)
+    ap.add_argument("--window-chunks", default="512,2048", help="prefill chunk sizes")
+    ap.add_argument("--window-heads", default="32/8/128,16/8/256",
+                    help="hq/hkv/head_dim shapes: Llama-3-8B's, Gemma-3-12B's")  # fmt: skip
+    ap.add_argument("--window-softcap", type=float, default=0.0)
     args = ap.parse_args(argv)
+    if args.window is not None and (args.window <= 0 or args.window % 16 or
+                                    args.window_context % 16):  # fmt: skip
+        ap.error("--window and --window-context must be positive multiples of 16 (the page)")
 
     import triton
 
@@ -463,6 +589,13 @@ def main(argv=None) -> None:
             else None
         )
         result["sweep"] = sweep(args.sweep.split(","), pts)
+    elif args.window is not None:
+        heads = [tuple(int(x) for x in h.split("/")) for h in args.window_heads.split(",")]
+        result["window"] = window_table(
+            args.window, args.window_context, heads,
+            [int(x) for x in args.batches.split(",") if x],
+            [int(x) for x in args.window_chunks.split(",") if x], args.window_softcap,
+        )  # fmt: skip
     else:
         batches = [int(x) for x in args.batches.split(",")]
         contexts = [int(x) for x in args.contexts.split(",")]
@@ -471,10 +604,12 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if not args.sweep:
-        print_tables(copy_gbs, result["decode"], result["prefill"])
-    else:
+    if args.sweep:
         print_sweep(result["sweep"])
+    elif args.window is not None:
+        print_window_table(result["window"])
+    else:
+        print_tables(copy_gbs, result["decode"], result["prefill"])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ checks, and the zeroed counters of in-kernel merges."""
 from __future__ import annotations
 
 import functools
+import math
+import operator
 
 import torch
 import triton
@@ -64,6 +66,45 @@ def pdl_enter(CHAIN: tl.constexpr, TRIGGER: tl.constexpr = False):
         tl.extra.cuda.gdc_launch_dependents()
     elif TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+_LOG2E = 1.4426950408889634
+
+
+def check_window_softcap(window: int, softcap: float) -> tuple[int, float]:
+    """A layer's sliding window (tokens, 0: none) and logit soft-cap (0: none) as the attention
+    launchers take them: host numbers, ValueError if negative or not numbers."""
+    try:
+        w = -1 if isinstance(window, bool) else operator.index(window)
+    except TypeError:
+        w = -1
+    if w < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    try:
+        cap = -1.0 if isinstance(softcap, bool) else float(softcap)
+    except (TypeError, ValueError):
+        cap = -1.0
+    if not 0 <= cap < math.inf:
+        raise ValueError(f"softcap must be a float >= 0 (0: no soft-capping), got {softcap!r}")
+    return w, cap
+
+
+def softcap_factors(scale: float, softcap: float) -> tuple[float, float]:
+    """``(cap_in, cap_out)`` of ``softcap_log2`` for the scale and soft-cap of a layer; zeros
+    (unused) without soft-capping."""
+    if softcap <= 0:
+        return 0.0, 0.0
+    return 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
+
+
+@triton.jit
+def softcap_log2(x, cap_in, cap_out):
+    """``cap_out * tanh(x * cap_in / 2)``: with ``softcap_factors``, ``x`` a raw dot product
+    ``q . k``, the soft-capped score ``softcap * tanh(scale * x / softcap)`` in log2 units.
+    tanh(y) = 1 - 2 / (exp(2y) + 1), written out (Triton 3.6 has no portable tanh): exp2
+    overflows to inf for large y (giving 1) and underflows to 0 for very negative y (giving
+    -1), never NaN; its absolute error is a few fp32 ulps of ``cap_out``."""
+    return cap_out * (1.0 - 2.0 / (tl.exp2(x * cap_in) + 1.0))
 
 
 def check_kv_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, hkv: int, d: int) -> None:

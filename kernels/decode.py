@@ -2,8 +2,11 @@
 
 For sequence ``b`` and query head ``h`` (KV head ``h // G``, ``G = Hq / Hkv``)::
 
-    out[b, h] = sum_j softmax_j(scale * q[b, h] . K[b, j]) V[b, j],   j < seq_lens[b]
-    lse[b, h] = log sum_j exp(scale * q[b, h] . K[b, j])
+    out[b, h] = sum_j softmax_j(s[b, h, j]) V[b, j],   lo[b] <= j < seq_lens[b]
+    lse[b, h] = log sum_j exp(s[b, h, j])
+    s[b, h, j] = scale * q[b, h] . K[b, j], or softcap * tanh(scale * q[b, h] . K[b, j] / softcap)
+
+with ``lo[b] = max(0, seq_lens[b] - window)`` for a sliding window (``window > 0``), else 0.
 
 One kernel (``_decode_split_kernel``), grid ``(B, Hkv, S)``: program ``(b, g, s)`` takes the
 ``G`` query heads of KV head ``g`` together (each KV byte is read once), walks split ``s`` of
@@ -11,6 +14,14 @@ the sequence's KV through its block table, and writes that split's normalised pa
 and LSE. The last of the ``S`` programs of ``(b, g)`` to finish (an atomic counter per
 ``(b, g)`` tells it) merges the ``S`` partials by their LSEs into the output, so a call is one
 launch. With ``S == 1`` the program writes the output directly.
+
+Sliding windows are block-sparse: the ``S`` splits divide ``[lo[b] rounded down to a KV tile,
+seq_lens[b])``, which each program computes from the sequence length it reads (CUDA graphs),
+so a row reads the pages of its last ``window`` tokens and nothing left of them: neither their
+block-table entries nor their K/V (those pages may be back in the pool, holding anything). The
+split plan sizes the grid by the tokens a row can read, ``min(max_seq_len, window)``, so the
+work and the grid follow the window, not the context. Windows and soft-capping are constexpr
+switches: without them the kernel compiles as before.
 
 CUDA graphs: the grid depends only on host ints (``B``, ``max_seq_len``). Each program reads its
 sequence length from device memory; by default the ``S`` splits divide each sequence evenly, so
@@ -41,40 +52,59 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import SplitCounters, check_kv_pages, pdl_wait
+from kernels.common import (
+    SplitCounters,
+    check_kv_pages,
+    check_window_softcap,
+    pdl_wait,
+    softcap_factors,
+    softcap_log2,
+)
 from kernels.common import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_pages(bt, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_pages(bt, n0, lo, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
     """Block-table entries of the KV tile at token ``n0`` (int64): one scalar when the tile
     lies in one page, else the tile's BN / PAGE entries, each loaded once and repeated per
     token [BN] (H100, B=1/4K: 11.4 µs; one entry load per token: 11.9). Pages at or past
-    ``end`` read nothing (0)."""
+    ``end`` read nothing (0), nor (WINDOWED) pages wholly left of ``lo``; a tile in one page
+    holds a token at or past ``lo`` (tiles start at ``lo`` rounded down to BLOCK_N)."""
     if PAGE >= BLOCK_N:
         return tl.load(bt + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
     else:
         idx = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
-        ent = tl.load(bt + idx, mask=idx * PAGE < end, other=0).to(tl.int64)
+        live = idx * PAGE < end
+        if WINDOWED:
+            live = live & ((idx + 1) * PAGE > lo)
+        ent = tl.load(bt + idx, mask=live, other=0).to(tl.int64)
         return tl.reshape(tl.broadcast_to(ent[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,))
 
 
 @triton.jit
 def _attend_tile(
-    q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb, stride_kt,
-    head_off, qk_scale, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q, K, V, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb, stride_kt,
+    head_off, qk_scale, cap_in, cap_out, PAGE: tl.constexpr, WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``;
-    tokens at or past ``end`` masked): the updated (m_i, l_i, acc)."""
+    tokens at or past ``end``, and left of ``lo`` when WINDOWED, masked: never loaded): the
+    updated (m_i, l_i, acc). SOFTCAP: scores soft-capped (``softcap_log2``)."""
     kv = n0 + offs_n  # [BN] token positions
     row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
     kv_mask = kv < end
+    if WINDOWED:
+        kv_mask = kv_mask & (kv >= lo)
     ld_mask = kv_mask[:, None] & d_mask[None, :]  # [BN, BD]
     k = tl.load(K + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     v = tl.load(V + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN], log2
+    if SOFTCAP:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BG, BN]
+        s = softcap_log2(s, cap_in, cap_out)  # log2 units
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN], log2
     s = tl.where(kv_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -166,6 +196,9 @@ def _decode_split_kernel(
     Lse,  # [B, Hq] fp32 (STORE_LSE)
     Counters,  # [B * Hkv] int32, zero between launches (not DIRECT)
     qk_scale,  # scale * log2(e)
+    cap_in,  # SOFTCAP: 2 * scale * log2(e) / softcap
+    cap_out,  # SOFTCAP: softcap * log2(e)
+    window,  # WINDOWED: each row reads its last `window` tokens
     num_splits,  # S, a runtime int: one compiled kernel serves every batch size
     min_split,  # tokens; each split is at least this long (a multiple of BLOCK_N)
     stride_qb,
@@ -190,6 +223,8 @@ def _decode_split_kernel(
     STORE_LSE: tl.constexpr,
     PDL_WAIT: tl.constexpr,
     CHAIN: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -203,10 +238,16 @@ def _decode_split_kernel(
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    # split length: S even parts of this sequence, rounded up to whole tiles
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if WINDOWED:  # the row's KV from its window's first token, whole tiles from there
+        lo = tl.maximum(seq_len - window, 0)
+        base = lo // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
+        base = 0
+    # split length: S even parts of the row's KV, rounded up to whole tiles
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, min_split)
-    start = split * split_len
+    start = base + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -228,12 +269,13 @@ def _decode_split_kernel(
     # and the pipeliner keeps num_stages - 1 K/V tiles in flight (Triton 3.6, sm_90: 2 buffers
     # at 3 stages, 71.7 KB smem; 3 at 4, 104.4 KB; entries loaded in the loop: 1 buffer at any
     # num_stages, 2 loads two tiles ahead: no pipelining at all).
-    pages = _tile_pages(bt, start, end, PAGE, BLOCK_N)
+    pages = _tile_pages(bt, start, lo, end, PAGE, BLOCK_N, WINDOWED)
     for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
-        nxt = _tile_pages(bt, n0 + BLOCK_N, end, PAGE, BLOCK_N)
+        nxt = _tile_pages(bt, n0 + BLOCK_N, lo, end, PAGE, BLOCK_N, WINDOWED)
         m_i, l_i, acc = _attend_tile(
-            q, K, V, pages, n0, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
-            stride_kt, head_off, qk_scale, PAGE=PAGE, DOT_PRECISION=DOT_PRECISION,
+            q, K, V, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
+            stride_kt, head_off, qk_scale, cap_in, cap_out, PAGE=PAGE, WINDOWED=WINDOWED,
+            SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         pages = nxt
     # The PDL chain: the next kernel may launch now that the KV is read (it waits). At the
@@ -289,6 +331,12 @@ class DecodeTuning:
     # Stage 1's (BLOCK_N, num_warps, num_stages) for every call; None: decode_config's rule,
     # with stages_for taking one stage off short splits.
     tiles: tuple[int, int, int] | None = None
+    # decode_config's tiles for head dims over 128 (Gemma 2/3: 256). A 32 x 256 K or V tile
+    # is as many bytes as the 64 x 128 tile of head dim 128, so (32, 4, 4) keeps that
+    # pipeline's 3 tiles in flight in the same shared memory (3 x 32 KB + q: 2 programs per
+    # SM). Compile report (sm_90, Triton 3.9): docs/benchmarks/kernels-notes.md; not yet
+    # timed against (64, 4, 3) or 8 warps.
+    wide_tiles: tuple[int, int, int] = (32, 4, 4)
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
     # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
@@ -309,6 +357,8 @@ class DecodeTuning:
         if self.tiles is not None:
             object.__setattr__(self, "tiles", tuple(self.tiles))
             _check_tiles(self.tiles)
+        object.__setattr__(self, "wide_tiles", tuple(self.wide_tiles))
+        _check_tiles(self.wide_tiles, "wide_tiles")
         for name in ("programs_per_sm", "min_split_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
@@ -317,12 +367,12 @@ class DecodeTuning:
                              f"got {self.short_split_tokens}")  # fmt: skip
 
 
-def _check_tiles(tiles: tuple) -> None:
+def _check_tiles(tiles: tuple, field: str = "tiles") -> None:
     """(BLOCK_N, num_warps, num_stages): BLOCK_N a power of two >= 16 (``tl.dot``), num_warps a
     power of two, num_stages >= 1."""
     block_n, warps, stages = tiles if len(tiles) == 3 else (0, 0, 0)
     if not (block_n >= 16 and _is_pow2(block_n) and _is_pow2(warps) and stages >= 1):
-        raise ValueError(f"DecodeTuning.tiles {tiles}: (BLOCK_N, num_warps, num_stages) with "
+        raise ValueError(f"DecodeTuning.{field} {tiles}: (BLOCK_N, num_warps, num_stages) with "
                          "BLOCK_N a power of two >= 16, num_warps a power of two, "
                          "num_stages >= 1")  # fmt: skip
 
@@ -343,16 +393,18 @@ class SplitPlan(NamedTuple):
     tiles: tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
 
 
-def decode_config(head_dim: int) -> tuple[int, int, int]:
+def decode_config(
+    head_dim: int, tuning: DecodeTuning = DEFAULT_DECODE_TUNING
+) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of stage 1, independent of the batch size (so that
     ``split_size=`` gives batch-invariant results). The block-table entries are loaded a tile
     ahead, so num_stages - 1 K/V tiles are in flight per program: 3 at (64, 4, 4) (104 KB of
     shared memory, 2 programs per SM). H100, 6 configs at 7 points (B 1-32, 4K-128K), each at
     its own heuristic split count: (64, 4, 4) fastest at 6, 1.2% behind (64, 4, 3) at B=8/4K;
     (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
-    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md)."""
-    block_n = 64 if head_dim <= 128 else 32
-    return block_n, 4, 4
+    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). Head dims over 128:
+    ``tuning.wide_tiles``."""
+    return (64, 4, 4) if head_dim <= 128 else tuning.wide_tiles
 
 
 def stages_for(
@@ -410,24 +462,34 @@ def plan_splits(
     tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
     num_splits: int | None = None,
     split_size: int | None = None,
+    window: int = 0,
 ) -> SplitPlan:
     """The split count, minimum split length and stage-1 tiles of a call (see
-    ``decode_attention`` for ``num_splits`` and ``split_size``); host ints only, so the plan of
-    a CUDA-graph capture holds for its replays."""
-    tiles = tuning.tiles or decode_config(head_dim)
+    ``decode_attention`` for ``num_splits``, ``split_size`` and ``window``); host ints only, so
+    the plan of a CUDA-graph capture holds for its replays.
+
+    A row reads at most ``min(max_seq_len, window)`` tokens, which the heuristic sizes the
+    splits by: a 4,096-token window at 128K gets the plan of a 4K context. A row's KV starts
+    at its window's first token rounded down to a tile, so up to ``window + BLOCK_N - 1``
+    tokens: the split count of ``split_size`` mode counts those, so that every split is
+    ``split_size`` long whatever the row's alignment (batch invariance)."""
+    tiles = tuning.tiles or decode_config(head_dim, tuning)
     block_n = tiles[0]
+    span = min(max_seq_len, window) if window > 0 else max_seq_len
     if split_size is not None:
         if split_size <= 0 or split_size % block_n:
             raise ValueError(f"split_size {split_size} must be a positive multiple of {block_n}")
-        return SplitPlan(max(1, math.ceil(max_seq_len / split_size)), split_size, tiles)
+        if window > 0:
+            span = min(max_seq_len, window + block_n - 1)
+        return SplitPlan(max(1, math.ceil(span / split_size)), split_size, tiles)
     if num_splits is not None:  # split as asked
         return SplitPlan(max(1, int(num_splits)), block_n, tiles)
     per_sm = programs_per_sm(tiles, head_dim, itemsize, tuning)
-    splits = num_splits_for(batch, num_kv_heads, max_seq_len, num_sms, block_n, per_sm, tuning)
+    splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning)
     # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
     min_split = math.ceil(tuning.min_split_tokens / block_n) * block_n
     if tuning.tiles is None:
-        tiles = stages_for(tiles, math.ceil(max_seq_len / splits), tuning)
+        tiles = stages_for(tiles, math.ceil(span / splits), tuning)
     return SplitPlan(splits, min_split, tiles)
 
 
@@ -454,6 +516,8 @@ def decode_attention(
     split_size: int | None = None,
     tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
     chain: bool = True,
+    window: int = 0,
+    softcap: float = 0.0,
 ):
     """Decode attention of one query token per sequence over its paged KV (see module doc).
 
@@ -462,11 +526,15 @@ def decode_attention(
     overrides the split heuristic; ``split_size`` (a multiple of the KV tile, 64) fixes the
     tokens per split. ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``:
     join the decode layer's PDL chain where the device supports it (``kernels.common``).
+    ``window`` > 0: each row attends to its last ``window`` tokens only (and reads only their
+    pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
+    layer's host values (0: off), fixed for a captured graph.
     Returns ``out`` [B, Hq, D], and ``lse`` [B, Hq] fp32 (natural log) if ``return_lse``.
     """
     bsz, hq, d = q.shape
     n_blocks, page, hkv, dk = k_cache.shape
     _check(q, k_cache, v_cache, seq_lens, block_tables, dk, hkv)
+    window, softcap = check_window_softcap(window, softcap)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * page
     if out is None:
@@ -479,7 +547,7 @@ def decode_attention(
 
     itemsize = q.element_size()
     plan = plan_splits(bsz, hkv, d, itemsize, max_seq_len, _num_sms(q.device), tuning,
-                       num_splits, split_size)  # fmt: skip
+                       num_splits, split_size, window)  # fmt: skip
     if plan.splits == 1:  # stage 1 writes the output
         part_out, part_lse = out, lse if return_lse else out.new_empty((1,), dtype=torch.float32)
         counters = part_lse  # unused
@@ -490,7 +558,8 @@ def decode_attention(
     per_sm = programs_per_sm(plan.tiles, d, itemsize, tuning)
     launch = functools.partial(
         _launch, q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse,
-        counters, scale, plan, per_sm, return_lse, split_size is not None, chain,
+        counters, scale, window, softcap, plan, per_sm, return_lse, split_size is not None,
+        chain,
     )  # fmt: skip
     _launch_maybe_pdl(q.device, tuning.pdl, launch)
     return (out, lse) if return_lse else out
@@ -535,7 +604,7 @@ def _merge_per_thread(per_sm: int, num_warps: int) -> int:
 
 def _launch(
     q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse, counters,
-    scale, plan, per_sm, return_lse, fixed, chain, *, pdl,
+    scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, pdl,
 ):  # fmt: skip
     """Stage 1, merging in its last program per (sequence, KV head); launched early (PDL) when
     ``pdl``, and then letting the next kernel launch early too when ``chain``."""
@@ -557,13 +626,14 @@ def _launch(
     _decode_split_kernel[(bsz, hkv, plan.splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out,
         lse if return_lse else part_lse, counters,
-        scale * _LOG2E, plan.splits, plan.min_split,
+        scale * _LOG2E, *softcap_factors(scale, softcap), window, plan.splits, plan.min_split,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *sp, *spl, out.stride(0), out.stride(1), *sl,
         GROUP=group, HEAD_DIM=d, PAGE=page, DIRECT=direct, STORE_LSE=return_lse,
         PDL_WAIT=pdl, CHAIN=pdl and chain,  # pdl: the device has gdc_wait (pdl_chain's test)
+        WINDOWED=window > 0, SOFTCAP=softcap > 0,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -4,16 +4,25 @@ The batch is flattened: sequence ``b``'s query chunk is ``q[cu[b]:cu[b+1]]`` (``
 its KV (``seq_lens[b]`` tokens, the chunk's own K/V included) lives in the paged cache. Query
 ``i`` of the chunk sits at position ``p_i = seq_lens[b] - n + i``; with ``G = Hq / Hkv``::
 
-    out[t, h] = sum_{j <= p_i} softmax_j(scale * q[t, h] . K[b, j, h // G]) V[b, j, h // G]
-    lse[t, h] = log sum_{j <= p_i} exp(scale * q[t, h] . K[b, j, h // G])
+    out[t, h] = sum_{j in J_i} softmax_j(s[t, h, j]) V[b, j, h // G]
+    lse[t, h] = log sum_{j in J_i} exp(s[t, h, j])
+    s[t, h, j] = scale * q[t, h] . K[b, j, h // G]   (soft-capped: softcap * tanh(s / softcap))
 
-So chunked prefill and prefix reuse (cached context before the chunk) need nothing special.
+with ``J_i = {j : j <= p_i}``, or ``{j : p_i - window < j <= p_i}`` with a sliding window. So
+chunked prefill and prefix reuse (cached context before the chunk) need nothing special.
 
 Grid ``(query tiles, Hq, B)``: each program owns ``BLOCK_M`` queries of one head of one
 sequence, runs an online softmax in fp32 with ``exp2`` (the scale folded into
 ``qk_scale = scale * log2(e)``) over the KV tiles, first those that every query of the tile
 sees in full (no mask), then the few tiles on the causal diagonal (masked); tiles past the
 diagonal are never visited. Heavy tiles (late in the sequence) are launched first.
+
+Sliding windows are block-sparse: a query tile's loop starts at the KV tile holding the first
+key its FIRST query sees (``p - window + 1``); every tile wholly left of it is skipped, its
+block-table entries and pages never read (they may be back in the pool, holding anything).
+The few tiles on the window's left edge are masked like the diagonal's, the tiles between run
+unmasked, so the work per query tile grows with the window, not the context. Windows and
+soft-capping are constexpr switches: without them the kernel compiles as before.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common import check_window_softcap, softcap_factors, softcap_log2
 
 _LOG2E = 1.4426950408889634
 
@@ -39,10 +50,16 @@ def _prefill_inner(
     hi,  # KV positions [lo, hi), lo a multiple of BLOCK_N
     q_pos,  # [BM] positions of the queries
     seq_len,
+    win_lo,  # WINDOWED: the first key the tile's first query sees; nothing left of it loads
+    window,
     qk_scale,
+    cap_in,
+    cap_out,
     stride_kb,
     stride_kt,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -50,21 +67,26 @@ def _prefill_inner(
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax of one query tile over KV tiles [lo, hi); MASKED applies the causal and
-    sequence-end masks (the tiles on the diagonal), otherwise every key is visible."""
+    sequence-end masks (the tiles on the diagonal), and with WINDOWED the window's (the tiles
+    on its left edge; keys left of ``win_lo`` are not loaded), otherwise every key is visible.
+    SOFTCAP: scores soft-capped (``softcap_log2``)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         kv = start + offs_n  # [BN]
-        if PAGE >= BLOCK_N:  # the whole tile lies in one page
+        live = kv < seq_len
+        if MASKED and WINDOWED:
+            live = live & (kv >= win_lo)
+        if PAGE >= BLOCK_N:  # the whole tile lies in one page (one holding a key >= win_lo)
             page = tl.load(bt + start // PAGE).to(tl.int64)
             row = page * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
         else:
-            page = tl.load(bt + kv // PAGE, mask=kv < seq_len, other=0).to(tl.int64)
+            page = tl.load(bt + kv // PAGE, mask=live, other=0).to(tl.int64)
             row = page * stride_kb + (kv % PAGE) * stride_kt + head_off
         ptrs = row[:, None] + offs_d[None, :]  # [BN, BD]
         if MASKED:
-            ld_mask = (kv < seq_len)[:, None] & d_mask[None, :]
+            ld_mask = live[:, None] & d_mask[None, :]
             k = tl.load(K + ptrs, mask=ld_mask, other=0.0)
             v = tl.load(V + ptrs, mask=ld_mask, other=0.0)
         elif HEAD_DIM == BLOCK_D:
@@ -74,15 +96,31 @@ def _prefill_inner(
             k = tl.load(K + ptrs, mask=d_mask[None, :], other=0.0)
             v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+        if SOFTCAP:
+            s = softcap_log2(s, cap_in, cap_out)  # log2 units
         if MASKED:
             visible = (kv[None, :] <= q_pos[:, None]) & (kv[None, :] < seq_len)
-            s = tl.where(visible, s * qk_scale, float("-inf"))
+            if WINDOWED:
+                visible = visible & (kv[None, :] > q_pos[:, None] - window)
+            if SOFTCAP:
+                s = tl.where(visible, s, float("-inf"))
+            else:
+                s = tl.where(visible, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
+            if WINDOWED:  # a row may have seen no key yet (left edge): keep exp2 finite
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_ref = m_new
+            p = tl.exp2(s - m_ref[:, None])
+        elif SOFTCAP:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
             p = tl.exp2(s - m_new[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_ref = m_new
             p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -101,6 +139,9 @@ def _prefill_kernel(
     Out,  # [T, Hq, D]
     Lse,  # [T, Hq] fp32
     qk_scale,
+    cap_in,  # SOFTCAP: 2 * scale * log2(e) / softcap
+    cap_out,  # SOFTCAP: softcap * log2(e)
+    window,  # WINDOWED: a query at p sees keys p - window < j <= p
     stride_qt,
     stride_qh,
     stride_kb,
@@ -115,6 +156,8 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -148,21 +191,36 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt = BlockTables + b.to(tl.int64) * stride_btb
     head_off = (h // GROUP).to(tl.int64) * stride_kh
-    # keys before the tile's first query are visible to all its queries: no mask
+    # keys before the tile's first query are visible to all its queries (causally)
     full_end = (ctx + m0) // BLOCK_N * BLOCK_N
+    if WINDOWED:
+        # Skip the tiles wholly left of the first query's window; mask those that some
+        # query's window cuts (up to the first key that the tile's last query sees).
+        win_lo = tl.maximum(ctx + m0 - window + 1, 0)
+        all_lo = tl.maximum(ctx + m0 + BLOCK_M - window, 0)
+        mid = tl.minimum(tl.cdiv(all_lo, BLOCK_N) * BLOCK_N, full_end)
+        acc, l_i, m_i = _prefill_inner(
+            acc, l_i, m_i, q, K, V, bt, head_off, win_lo // BLOCK_N * BLOCK_N, mid, q_pos,
+            seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
+            MASKED=True, WINDOWED=True, SOFTCAP=SOFTCAP, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        win_lo = 0
+        mid = 0
     acc, l_i, m_i = _prefill_inner(
-        acc, l_i, m_i, q, K, V, bt, head_off, 0, full_end, q_pos, seq_len, qk_scale,
-        stride_kb, stride_kt,
-        MASKED=False, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        DOT_PRECISION=DOT_PRECISION,
+        acc, l_i, m_i, q, K, V, bt, head_off, mid, full_end, q_pos, seq_len, win_lo, window,
+        qk_scale, cap_in, cap_out, stride_kb, stride_kt,
+        MASKED=False, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     # the diagonal: up to the tile's last query
     diag_end = tl.minimum(ctx + m0 + BLOCK_M, seq_len)
     acc, l_i, m_i = _prefill_inner(
-        acc, l_i, m_i, q, K, V, bt, head_off, full_end, diag_end, q_pos, seq_len, qk_scale,
-        stride_kb, stride_kt,
-        MASKED=True, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        DOT_PRECISION=DOT_PRECISION,
+        acc, l_i, m_i, q, K, V, bt, head_off, full_end, diag_end, q_pos, seq_len, win_lo,
+        window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
+        MASKED=True, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -204,15 +262,20 @@ def prefill_attention(
     return_lse: bool = False,
     *,
     config: tuple[int, int, int, int] | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ):
     """Causal attention of each chunk over its cached context plus itself (see module doc).
 
     ``max_query_len`` (host int) sizes the grid; if None it is read from ``cu_seqlens_q`` (a
     device sync). ``max_seq_len`` is accepted for interface parity and unused. ``config`` =
-    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuning. Returns ``out`` [T, Hq, D],
-    and ``lse`` [T, Hq] fp32 (natural log) if ``return_lse``.
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuning. ``window`` > 0: a query at
+    position p sees keys ``p - window < j <= p`` only, and the pages left of its window are
+    not read; ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)`` (0: off).
+    Returns ``out`` [T, Hq, D], and ``lse`` [T, Hq] fp32 (natural log) if ``return_lse``.
     """
     del max_seq_len
+    window, softcap = check_window_softcap(window, softcap)
     t, hq, d = q.shape
     _, page, hkv, dk = k_cache.shape
     if q.dim() != 3 or d != dk or hq % hkv:
@@ -249,13 +312,14 @@ def prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), hq, bsz)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
-        scale * _LOG2E,
+        scale * _LOG2E, *softcap_factors(scale, softcap), window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, STORE_LSE=return_lse,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,

@@ -149,12 +149,25 @@ def gather_kv(
     cache: torch.Tensor,  # [N, BS, Hkv, D]
     block_table: torch.Tensor,  # [M] int
     seq_len: int,
-) -> torch.Tensor:  # [seq_len, Hkv, D]
-    """One sequence's first ``seq_len`` cached tokens, contiguous."""
+    start: int = 0,
+) -> torch.Tensor:  # [seq_len - start, Hkv, D]
+    """One sequence's cached tokens ``start .. seq_len-1``, contiguous.
+
+    Only the pages holding those tokens are indexed: with a sliding window, the pages left of
+    the window's start may already be back in the pool and hold another sequence's K/V (or
+    NaN), so neither their block-table entries nor their contents are touched."""
     block_size = cache.shape[1]
+    first = start // block_size
     num_blocks = -(-seq_len // block_size)
-    pages = cache[block_table[:num_blocks].long()]  # [nb, BS, Hkv, D]
-    return pages.reshape(-1, *cache.shape[2:])[:seq_len]
+    pages = cache[block_table[first:num_blocks].long()]  # [nb - first, BS, Hkv, D]
+    skip = start - first * block_size
+    return pages.reshape(-1, *cache.shape[2:])[skip : seq_len - first * block_size]
+
+
+def _window_start(seq_len: int, q_len: int, window: int) -> int:
+    """The first key position that any of a chunk's ``q_len`` queries (the last of ``seq_len``
+    positions) sees: 0 without a window, else the first query's ``p - window + 1``."""
+    return max(0, seq_len - q_len - window + 1) if window > 0 else 0
 
 
 def attention(
@@ -301,6 +314,8 @@ def prefill_attention(
     sits at position ``p = seq_len - n + i`` and sees positions ``<= p`` (and ``> p - window``
     when ``window`` > 0; ``softcap`` as in ``attention``). The explicit math (``attention``)
     runs when the LSE, float64 or soft-capping is asked for, SDPA (``sdpa_attention``) else.
+    With a window, only the pages from the chunk's first query's window on are read
+    (``gather_kv``'s ``start``): pages left of it may have been freed and reused.
     """
     del max_query_len, max_seq_len
     if out is None:
@@ -313,8 +328,11 @@ def prefill_attention(
         qs = q[cu[b] : cu[b + 1]]
         if qs.shape[0] == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], lens[b])
-        v = gather_kv(v_cache, block_tables[b], lens[b])
+        # keys from the first query's window on: the mask only depends on positions relative
+        # to the queries, so attention() sees the same problem, shifted
+        first = _window_start(lens[b], qs.shape[0], window)
+        k = gather_kv(k_cache, block_tables[b], lens[b], first)
+        v = gather_kv(v_cache, block_tables[b], lens[b], first)
         if not explicit:
             o = sdpa_attention(qs, k, v, scale, window=window)
             out[cu[b] : cu[b + 1]] = o.to(out.dtype)

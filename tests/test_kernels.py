@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close  # noqa: E402
+from tensor_checks import assert_close, rel_err  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.decode import DecodeTuning, decode_attention  # noqa: E402
@@ -68,17 +68,17 @@ class Paged:
         return other
 
 
-def decode_ref(q, kv: Paged, scale):
+def decode_ref(q, kv: Paged, scale, **kw):
     return reference.decode_attention(
         q.double(), kv.k.double(), kv.v.double(), kv.seq_lens, kv.block_tables, scale,
-        return_lse=True,
+        return_lse=True, **kw,
     )  # fmt: skip
 
 
-def prefill_ref(q, kv: Paged, cu, scale):
+def prefill_ref(q, kv: Paged, cu, scale, **kw):
     return reference.prefill_attention(
         q.double(), kv.k.double(), kv.v.double(), cu, kv.seq_lens, kv.block_tables, scale,
-        return_lse=True,
+        return_lse=True, **kw,
     )  # fmt: skip
 
 
@@ -390,3 +390,270 @@ def test_prefill_paged_equals_contiguous_and_strided_out():
     prefill_attention(q, kv.k, kv.v, cu, kv.seq_lens, kv.block_tables, 0.125, out=buf[:, 2:6])
     assert torch.equal(buf[:, 2:6], a) and torch.isnan(buf[:, :2]).all()
     assert torch.isnan(buf[:, 6:]).all()
+
+
+# ---------------------------------------------------------------- sliding windows, soft-capping
+# Windows against the reference's explicit math in float64 (a query at p sees keys
+# p - window < j <= p; soft-capped scores softcap * tanh(s / softcap)).
+
+WINDOW_LENS = [1, 17, 64, 100, 257, 301, 700]  # shorter than, equal to, longer than windows
+WINDOW_DECODE_CASES = [  # (dtype, hq, hkv, d, page, window)
+    (torch.float16, 8, 2, 64, 16, 1),
+    (torch.float16, 8, 2, 64, 16, 100),  # neither a page nor a tile multiple; = a context
+    (torch.float32, 4, 1, 64, 64, 64),  # one tile, one page
+    (torch.float16, 6, 2, 96, 16, 257),
+    (torch.float16, 4, 4, 64, 128, 300),  # pages longer than the tile
+    (torch.float16, 8, 2, 64, 32, 70),  # (16-token tiles below: pages of 2 tiles)
+    (torch.float32, 8, 2, 128, 32, 700),  # = the longest context
+    (torch.float16, 8, 2, 64, 16, 5000),  # longer than every context
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,page,window", WINDOW_DECODE_CASES)
+def test_decode_window_matches_reference(dtype, hq, hkv, d, page, window):
+    kv = Paged(WINDOW_LENS, hkv, d, page, dtype)
+    q = torch.randn(len(WINDOW_LENS), hq, d, device=DEVICE).to(dtype)
+    ref_out, ref_lse = decode_ref(q, kv, d**-0.5, window=window)
+    for kw in ({}, {"num_splits": 1}, {"split_size": 128},
+               {"num_splits": 3, "tuning": DecodeTuning(tiles=(16, 4, 2))}):  # fmt: skip
+        out, lse = run_decode(q, kv, d**-0.5, window=window, **kw)
+        assert_close(out, ref_out, TOL[dtype], f"decode window {window} {kw}")
+        assert_close(lse, ref_lse, LSE_TOL[dtype], f"decode lse window {window} {kw}")
+    # a graph's grid: planned for a longer max_seq_len than any row has
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, d**-0.5, max_seq_len=8192,
+                     out=out, window=window)  # fmt: skip
+    assert_close(out, ref_out, TOL[dtype], f"decode window {window}, max_seq_len 8192")
+
+
+def test_decode_window_changes_the_result():
+    """The window cases above can fail: the windowed reference is not the global one."""
+    kv = Paged([300, 1000], 2, 64, 16, torch.float16)
+    q = torch.randn(2, 8, 64, device=DEVICE).half()
+    windowed, _ = decode_ref(q, kv, 0.125, window=100)
+    full, _ = decode_ref(q, kv, 0.125)
+    assert rel_err(windowed, full) > 0.1
+    out, _ = run_decode(q, kv, 0.125)  # and window=0 is the global kernel
+    assert_close(out, full, TOL[torch.float16], "window 0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("window", [0, 90])
+@pytest.mark.parametrize("gain", [4.0, 300.0])  # capped moderately; scores far past the cap
+def test_decode_softcap_matches_reference(dtype, window, gain):
+    lens = [1, 200, 1000, 33]
+    kv = Paged(lens, 2, 64, 16, dtype)
+    q = (torch.randn(len(lens), 8, 64, device=DEVICE) * gain).to(dtype)
+    ref_out, ref_lse = decode_ref(q, kv, 0.125, window=window, softcap=5.0)
+    uncapped, _ = decode_ref(q, kv, 0.125, window=window)
+    assert rel_err(ref_out, uncapped) > 0.05  # the cap bites: this test can fail
+    for kw in ({}, {"num_splits": 1}, {"split_size": 128}):
+        out, lse = run_decode(q, kv, 0.125, window=window, softcap=5.0, **kw)
+        assert_close(out, ref_out, TOL[dtype], f"softcap, window {window}, x{gain} {kw}")
+        assert_close(lse, ref_lse, LSE_TOL[dtype], f"softcap lse, window {window} {kw}")
+
+
+def test_decode_window_fixed_split_size_is_batch_invariant():
+    """split_size mode with a window: a row gives the same bits alone or in a batch, whatever
+    the grid (every split ``split_size`` long from the window's first tile)."""
+    kv = Paged([700, 33, 1000, 130], 2, 64, 16, torch.float16)
+    q = torch.randn(4, 8, 64, device=DEVICE).half()
+    batch = decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.125,
+                             max_seq_len=1024, split_size=64, window=200)  # fmt: skip
+    for b in range(4):
+        alone = decode_attention(q[b : b + 1], kv.k, kv.v, kv.seq_lens[b : b + 1],
+                                 kv.block_tables[b : b + 1], 0.125, max_seq_len=4096,
+                                 split_size=64, window=200)  # fmt: skip
+        assert torch.equal(batch[b : b + 1], alone), b
+
+
+def test_decode_plan_follows_the_window():
+    """The grid is sized by the tokens a row can read: a 4,096-token window at 128K gets the
+    plan of a 4K context; split_size mode counts the window's first, partial tile too."""
+    from kernels.decode import plan_splits
+
+    for batch, hkv, d in ((1, 8, 128), (8, 8, 128), (1, 8, 256), (32, 4, 64)):
+        at_4k = plan_splits(batch, hkv, d, 2, 4096, 132)
+        assert plan_splits(batch, hkv, d, 2, 131072, 132, window=4096) == at_4k
+        assert plan_splits(batch, hkv, d, 2, 131072, 132) != at_4k
+        huge = plan_splits(batch, hkv, d, 2, 131072, 132, window=1 << 20)
+        assert huge == plan_splits(batch, hkv, d, 2, 131072, 132)
+    fixed = plan_splits(1, 8, 128, 2, 131072, 132, split_size=512, window=4096)
+    assert fixed.splits == 9 and fixed.min_split == 512  # ceil((4096 + 63) / 512)
+    assert plan_splits(1, 8, 128, 2, 1000, 132, split_size=512, window=4096).splits == 2
+
+
+def test_decode_wide_tiles_are_the_tuning_for_head_dim_256():
+    from kernels.decode import decode_config, plan_splits
+
+    assert decode_config(256) == DecodeTuning().wide_tiles
+    assert decode_config(128) == decode_config(128, DecodeTuning(wide_tiles=(16, 4, 2)))
+    tuning = DecodeTuning(wide_tiles=(16, 4, 3), short_split_tokens=0)
+    assert plan_splits(1, 2, 256, 2, 65536, 132, tuning).tiles == (16, 4, 3)
+    assert plan_splits(1, 2, 128, 2, 65536, 132, tuning).tiles == decode_config(128)
+    with pytest.raises(ValueError, match="wide_tiles"):
+        DecodeTuning(wide_tiles=(24, 4, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (45, 0.0), (70, 20.0)])
+def test_head_dim_256_decode_and_prefill(dtype, window, softcap):
+    """Gemma's head dim (2 query heads per KV head), with and without a window and a cap."""
+    d, hq, hkv = 256, 4, 2
+    scale = d**-0.5 * 2  # sharper scores, so that a soft-cap of 20 changes them
+    kv = Paged([1, 40, 130, 300], hkv, d, 16, dtype)
+    q = torch.randn(4, hq, d, device=DEVICE).to(dtype)
+    ref_out, ref_lse = decode_ref(q, kv, scale, window=window, softcap=softcap)
+    for kw in ({}, {"num_splits": 3}, {"tuning": DecodeTuning(wide_tiles=(16, 4, 2))}):
+        out, lse = run_decode(q, kv, scale, window=window, softcap=softcap, **kw)
+        assert_close(out, ref_out, TOL[dtype], f"decode d=256 {kw}")
+        assert_close(lse, ref_lse, LSE_TOL[dtype], f"decode lse d=256 {kw}")
+    qlens, ctx = [1, 40, 70], [0, 30, 100]
+    kv = Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, 16, dtype)
+    cu = cu_of(qlens)
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
+    ref_out, ref_lse = prefill_ref(q, kv, cu, scale, window=window, softcap=softcap)
+    out, lse = run_prefill(q, kv, cu, scale, window=window, softcap=softcap,
+                           config=(32, 16, 4, 1))  # fmt: skip
+    assert_close(out, ref_out, TOL[dtype], "prefill d=256")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], "prefill lse d=256")
+
+
+WINDOW_PREFILL_CASES = [  # (dtype, hq, hkv, d, page, window, config)
+    (torch.float16, 4, 2, 64, 16, 1, (32, 16, 4, 1)),
+    (torch.float16, 4, 2, 64, 16, 20, (32, 16, 4, 1)),  # window < BLOCK_M
+    (torch.float32, 3, 1, 64, 64, 50, None),  # (32, 32) tiles, pages of 2 tiles
+    (torch.float16, 2, 2, 64, 16, 100, (16, 32, 4, 1)),  # pages shorter than the tile
+    (torch.float16, 4, 1, 128, 128, 130, None),  # (128, 64) tiles
+    (torch.float32, 4, 4, 64, 16, 400, (32, 16, 4, 1)),  # longer than some contexts
+    (torch.float16, 2, 1, 96, 32, 1000, None),  # longer than every context
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,page,window,config", WINDOW_PREFILL_CASES)
+def test_prefill_window_matches_reference(dtype, hq, hkv, d, page, window, config):
+    """Chunks at the start of a sequence and over cached context, crossing the window's edge
+    (a chunk's first query sees back past the chunk, its last does not)."""
+    qlens, ctx = [1, 17, 150, 64, 3], [0, 100, 60, 300, 250]
+    kv = Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page, dtype)
+    cu = cu_of(qlens)
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
+    ref_out, ref_lse = prefill_ref(q, kv, cu, d**-0.5, window=window)
+    out, lse = run_prefill(q, kv, cu, d**-0.5, window=window, config=config)
+    assert_close(out, ref_out, TOL[dtype], f"prefill window {window}")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"prefill lse window {window}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("window", [0, 60])
+def test_prefill_softcap_matches_reference(dtype, window):
+    qlens, ctx = [1, 90, 33], [0, 40, 200]
+    kv = Paged([a + b for a, b in zip(qlens, ctx)], 2, 64, 16, dtype)
+    cu = cu_of(qlens)
+    q = (torch.randn(sum(qlens), 4, 64, device=DEVICE) * 4).to(dtype)
+    ref_out, ref_lse = prefill_ref(q, kv, cu, 0.125, window=window, softcap=5.0)
+    assert rel_err(ref_out, prefill_ref(q, kv, cu, 0.125, window=window)[0]) > 0.05
+    out, lse = run_prefill(q, kv, cu, 0.125, window=window, softcap=5.0, config=(32, 16, 4, 1))
+    assert_close(out, ref_out, TOL[dtype], f"prefill softcap window {window}")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"prefill softcap lse window {window}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_window_chunks_equal_whole_prompt(dtype):
+    """Chunked prefill with a window of 70: chunks that start before, at and past the window's
+    edge, one of a single token, give the whole prompt's output."""
+    n, window = 300, 70
+    kv = Paged([n], 2, 64, 16, dtype)
+    q = torch.randn(n, 4, 64, device=DEVICE).to(dtype)
+    whole, whole_lse = run_prefill(q, kv, cu_of([n]), 0.125, window=window)
+    parts, lses = [], []
+    for a, b in ((0, 50), (50, 71), (71, 140), (140, 141), (141, 300)):
+        chunk = Paged.__new__(Paged)
+        chunk.k, chunk.v, chunk.block_tables, chunk.page = kv.k, kv.v, kv.block_tables, 16
+        chunk.lens = [b]
+        chunk.seq_lens = torch.tensor([b], dtype=torch.int32, device=DEVICE)
+        o, lse = run_prefill(q[a:b], chunk, cu_of([b - a]), 0.125, window=window,
+                             config=(32, 16, 4, 1))  # fmt: skip
+        parts.append(o)
+        lses.append(lse)
+    assert_close(torch.cat(parts), whole.double(), TOL[dtype], "chunked vs whole out")
+    assert_close(torch.cat(lses), whole_lse.double(), LSE_TOL[dtype], "chunked vs whole lse")
+    ref_out, _ = prefill_ref(q, kv, cu_of([n]), 0.125, window=window)
+    assert_close(whole, ref_out, TOL[dtype], "whole prompt out")
+
+
+def poison_left_of(kv: Paged, starts):
+    """A copy of ``kv`` in which every token left of ``starts[b]`` is NaN in its own slot, and
+    the block-table entries of the pages wholly left of it point at a page of NaN: pages that
+    "memory follows the window" may have freed and handed to another sequence. Reading any of
+    them, even masked and then multiplied by zero, puts NaN in the output."""
+    bad = Paged.__new__(Paged)
+    bad.lens, bad.page, bad.seq_lens = kv.lens, kv.page, kv.seq_lens
+    nan = torch.full_like(kv.k[:1], float("nan"))
+    bad.k, bad.v = torch.cat([kv.k, nan]), torch.cat([kv.v, nan])
+    bad.block_tables = kv.block_tables.clone()
+    for b, start in enumerate(starts):
+        whole, part = divmod(start, kv.page)
+        rows = bad.block_tables[b, :whole].long()
+        bad.k[rows], bad.v[rows] = float("nan"), float("nan")
+        bad.block_tables[b, :whole] = kv.k.shape[0]  # the NaN page
+        if part:
+            first = bad.block_tables[b, whole].long()
+            bad.k[first, :part], bad.v[first, :part] = float("nan"), float("nan")
+    return bad
+
+
+@pytest.mark.parametrize("page,tiles", [(16, (64, 4, 2)), (64, (16, 4, 2)), (16, (16, 4, 2))])
+def test_decode_never_reads_left_of_the_window(page, tiles):
+    lens, window = [600, 301, 65, 150], 130
+    kv = Paged(lens, 2, 64, page, torch.float16)
+    bad = poison_left_of(kv, [max(0, n - window) for n in lens])
+    q = torch.randn(len(lens), 8, 64, device=DEVICE).half()
+    ref_out, _ = decode_ref(q, kv, 0.125, window=window)
+    ref_bad, _ = decode_ref(q, bad, 0.125, window=window)
+    assert torch.equal(ref_bad, ref_out)  # the reference reads only the window's pages too
+    for kw in ({"num_splits": 1}, {"split_size": 128}):
+        kw["tuning"] = DecodeTuning(tiles=tiles)
+        clean, clean_lse = run_decode(q, kv, 0.125, window=window, **kw)
+        out, lse = run_decode(q, bad, 0.125, window=window, softcap=30.0, **kw)
+        capped, capped_lse = run_decode(q, kv, 0.125, window=window, softcap=30.0, **kw)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), kw
+        assert torch.equal(out, capped) and torch.equal(lse, capped_lse), kw
+        out, lse = run_decode(q, bad, 0.125, window=window, **kw)
+        assert torch.equal(out, clean) and torch.equal(lse, clean_lse), kw
+        assert_close(out, ref_out, TOL[torch.float16], f"decode, poisoned pages {kw}")
+
+
+@pytest.mark.parametrize("page,config", [(16, (32, 16, 4, 1)), (16, (16, 32, 4, 1)),
+                                         (64, (32, 32, 4, 1))])  # fmt: skip
+def test_prefill_never_reads_left_of_the_window(page, config):
+    qlens, ctx, window = [40, 100, 1], [300, 20, 200], 75
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    kv = Paged(lens, 2, 64, page, torch.float16)
+    bad = poison_left_of(kv, [max(0, c - window + 1) for c in ctx])  # each chunk's first query
+    cu = cu_of(qlens)
+    q = torch.randn(sum(qlens), 4, 64, device=DEVICE).half()
+    ref_out, _ = prefill_ref(q, kv, cu, 0.125, window=window)
+    assert torch.equal(prefill_ref(q, bad, cu, 0.125, window=window)[0], ref_out)
+    for softcap in (0.0, 30.0):
+        clean, clean_lse = run_prefill(q, kv, cu, 0.125, window=window, softcap=softcap,
+                                       config=config)  # fmt: skip
+        out, lse = run_prefill(q, bad, cu, 0.125, window=window, softcap=softcap,
+                               config=config)  # fmt: skip
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), softcap
+        assert torch.equal(out, clean) and torch.equal(lse, clean_lse), softcap
+    assert_close(run_prefill(q, bad, cu, 0.125, window=window, config=config)[0], ref_out,
+                 TOL[torch.float16], "prefill, poisoned pages")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw, field", [({"window": -1}, "window"), ({"window": 2.5}, "window"),
+                  ({"softcap": -1.0}, "softcap"), ({"softcap": float("nan")}, "softcap")],
+)  # fmt: skip
+def test_window_and_softcap_are_checked(kw, field):
+    kv = Paged([20], 1, 64, 16, torch.float16)
+    q = torch.randn(1, 2, 64, device=DEVICE).half()
+    with pytest.raises(ValueError, match=field):
+        run_decode(q, kv, 0.125, **kw)
+    with pytest.raises(ValueError, match=field):
+        run_prefill(q, kv, cu_of([1]), 0.125, **kw)

@@ -42,3 +42,49 @@ def test_tuning_sweeps_time_every_variant(tmp_path):
     want = {("decode-config", str(list(c))) for c in bench.DECODE_CONFIGS}
     assert got == want | {("pdl", "none"), ("pdl", "pdl")}
     assert all(r["us"] and r["us"] > 0 for r in res), [r for r in res if not r["us"]]
+
+
+def test_window_target_times_three_variants_per_point(tmp_path, capsys):
+    """``--window``: decode per batch and prefill per chunk, each the global kernel and the
+    windowed one at a context of W and the windowed one at the long context, with the ratios
+    the target is read from, in the JSON and the table."""
+    from kernels import bench
+
+    out = tmp_path / "window.json"
+    bench.main(["--window", "64", "--window-context", "256", "--batches", "1,2",
+                "--window-chunks", "32", "--window-heads", "4/2/64", "--window-softcap", "30",
+                "--json", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["window"]
+    assert [(r["kind"], r.get("batch", r.get("chunk"))) for r in rows] == [
+        ("decode", 1), ("decode", 2), ("prefill", 32)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["heads"] == "4/2/64" and r["window"] == 64 and r["long_context"] == 256
+        assert r["softcap"] == 30.0
+        for v in bench.WINDOW_VARIANTS:
+            assert len(r[f"{v}_rounds"]) == bench.ROUNDS and r[f"{v}_us"] > 0, (r, v)
+        assert r["long_over_global_4k"] == pytest.approx(r["window_long_us"] / r["global_4k_us"])
+        assert r["long_over_window_4k"] == pytest.approx(r["window_long_us"] / r["window_4k_us"])
+    table = capsys.readouterr().out
+    assert "| long / global | long / windowed |" in table and "| prefill | 4/2/64 | 32 |" in table
+
+
+def test_window_inputs_hold_only_the_window_pages():
+    """The windowed decode inputs: a pool of the last ``live`` tokens' pages per sequence, each
+    used once, and a full-width block table whose entries left of them point into the pool."""
+    from kernels import bench
+
+    inp = bench.DecodeInputs(2, 256, 16, 1, 4, 2, d=64, live=72)  # pages 11..15 of 16
+    q, k, v, bt, _ = inp.sets[0]
+    assert k.shape == (2 * 5, 16, 2, 64) and bt.shape == (2, 16)
+    assert sorted(bt[:, 11:].flatten().tolist()) == list(range(10))
+    assert bt.min() >= 0 and bt.max() < 10
+
+
+def test_window_option_is_checked():
+    from kernels import bench
+
+    for argv in (["--window", "0"], ["--window", "100"], ["--window", "64", "--window-context",
+                                                          "1000"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            bench.main(argv)

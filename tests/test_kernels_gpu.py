@@ -253,3 +253,121 @@ def test_decode_fused_merge_is_race_free():
         assert_close(outs[0], ref, BF16_TOL, f"fused merge, {splits} splits")
     torch.cuda.synchronize()
     assert not decode._COUNTERS[q.device].any()
+
+
+# ---- sliding windows, soft-capping, head dim 256 --------------------------------------------
+
+
+def windowed_paged(lens, starts, hkv, d, page, dtype=torch.bfloat16):
+    """Like ``paged``, but only the pages from ``starts[b]`` on are real: the block-table
+    entries left of them point at a page of NaN, and the tokens left of ``starts[b]`` in its
+    first page are NaN (pages that "memory follows the window" may have freed and reused).
+    A kernel that reads any of them returns NaN. Small pools for 128K contexts, too."""
+    first = [s // page for s in starts]
+    need = [-(-n // page) - f for n, f in zip(lens, first)]
+    width = max(-(-n // page) for n in lens)
+    total = sum(need) + 1
+    k = torch.randn(total, page, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(total, page, hkv, d, device="cuda", dtype=dtype)
+    k[-1], v[-1] = float("nan"), float("nan")
+    ids = torch.randperm(total - 1, device="cuda").int()
+    bt = torch.full((len(lens), width), total - 1, dtype=torch.int32, device="cuda")
+    pos = 0
+    for b, (f, n) in enumerate(zip(first, need)):
+        bt[b, f : f + n] = ids[pos : pos + n]
+        pos += n
+        part = starts[b] - f * page
+        if n and part:
+            k[bt[b, f].long(), :part], v[bt[b, f].long(), :part] = float("nan"), float("nan")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return k, v, bt, seq_lens
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,page,window,softcap",
+    [(32, 8, 128, 16, 4096, 0.0), (16, 8, 256, 16, 4096, 50.0), (16, 8, 256, 64, 1024, 0.0),
+     (32, 8, 128, 128, 4000, 0.0), (8, 4, 256, 16, 4096, 30.0)],
+)  # fmt: skip
+def test_decode_window_softcap_bf16(hq, hkv, d, page, window, softcap):
+    """128K context, a 4K window (and Gemma 3's 1K), Gemma 2's cap of 50, head dim 256; rows
+    shorter than, as long as and longer than the window; the pages left of each window are
+    NaN and never read."""
+    from kernels.decode import decode_attention
+
+    lens = [131072, 1, 4097, window, 5000, 17, 70001]
+    k, v, bt, sl = windowed_paged(lens, [max(0, n - window) for n in lens], hkv, d, page)
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    ref, ref_lse = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5,
+                                              return_lse=True, window=window,
+                                              softcap=softcap)  # fmt: skip
+    for kw in ({}, {"num_splits": 1}, {"split_size": 512}):
+        out = torch.full_like(q, float("nan"))
+        out, lse = decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=131072, out=out,
+                                    return_lse=True, window=window, softcap=softcap,
+                                    **kw)  # fmt: skip
+        assert_close(out, ref, BF16_TOL, f"decode window {window} cap {softcap} {kw}")
+        assert_close(lse, ref_lse, LSE_TOL, f"decode lse window {window} {kw}")
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("softcap", [0.0, 50.0])
+def test_prefill_window_softcap_bf16(d, softcap):
+    """A 2K chunk at the end of a 128K context with a 4K window, a chunk crossing the window
+    edge, a 5K prompt from scratch; pages left of each chunk's first window NaN."""
+    from kernels.prefill import prefill_attention
+
+    hq, hkv, window = 16, 8, 4096
+    qlens, ctx = [2048, 1, 3000, 5000], [131072 - 2048, 5000, 2000, 0]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    k, v, bt, sl = windowed_paged(lens, [max(0, c - window + 1) for c in ctx], hkv, d, 16)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens),
+                                 out=out, return_lse=True, window=window,
+                                 softcap=softcap)  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt,
+                                               d**-0.5, return_lse=True, window=window,
+                                               softcap=softcap)  # fmt: skip
+    assert_close(out, ref, BF16_TOL, f"prefill window d={d} cap {softcap}")
+    assert_close(lse, ref_lse, LSE_TOL, f"prefill window lse d={d} cap {softcap}")
+
+
+def test_decode_cuda_graph_windowed_and_global_layers():
+    """One graph holding a windowed, soft-capped layer (head dim 256, window 4096) and a global
+    one, captured at max_seq_len 32K, replayed with new lengths (below, at and past the
+    window), block tables and queries: both layers match the reference each time."""
+    from kernels.decode import decode_attention
+
+    bsz, hq, hkv, d, page, max_len, window = 4, 16, 8, 256, 16, 32768, 4096
+    pools = [paged([max_len] * bsz, hkv, d, page)[:2] for _ in range(2)]
+    q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
+    bt = torch.zeros(bsz, max_len // page, dtype=torch.int32, device="cuda")
+    sl = torch.ones(bsz, dtype=torch.int32, device="cuda")
+    layers = [{"window": window, "softcap": 50.0}, {}]
+
+    def step():
+        return [decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=max_len, **kw)
+                for (k, v), kw in zip(pools, layers)]  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    n_blocks = pools[0][0].shape[0]
+    for lens in ([1, 32768, 4096, 4097], [5000, 64, 30001, 8000], [2, 3, 4, 1]):
+        bt.copy_(torch.randperm(n_blocks, device="cuda")[: bsz * bt.shape[1]].view_as(bt))
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        for (k, v), kw, o in zip(pools, layers, outs):
+            ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5,
+                                             **kw)  # fmt: skip
+            assert_close(o, ref, BF16_TOL, f"graph replay {kw} {lens}")

@@ -172,3 +172,111 @@ def test_backend_prefill_does_not_materialise_scores():
     ops = {e.key for e in prof.key_averages()}
     assert "aten::scaled_dot_product_attention" in ops
     assert "aten::logsumexp" not in ops and "aten::masked_fill" not in ops
+
+
+# ---- sliding windows and soft-capping ----------------------------------------------------
+
+
+def _brute_force(q, k, v, scale, window, softcap):
+    """Attention of the last ``Tq`` of ``Tk`` positions, one query and one key at a time:
+    query ``p`` sees keys ``p - window < j <= p`` (all ``j <= p`` when ``window`` is 0)."""
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.zeros(tq, hq, dtype=torch.float64)
+    for i in range(tq):
+        p = tk - tq + i
+        for h in range(hq):
+            g = h // (hq // hkv)
+            seen = [j for j in range(tk) if j <= p and (window == 0 or j > p - window)]
+            s = torch.stack([scale * (q[i, h] @ k[j, g]) for j in seen])
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            lse[i, h] = torch.logsumexp(s, 0)
+            w = torch.exp(s - lse[i, h])
+            out[i, h] = sum(w[n] * v[j, g] for n, j in enumerate(seen))
+    return out, lse
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 17, 40])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 30), (12, 12), (9, 40)])
+def test_window_and_softcap_match_a_brute_force_loop(window, softcap, q_len, kv_len):
+    """The explicit math (and prefill_attention over shuffled pages, which gathers only the
+    window's pages) against a loop over queries and keys, float64, GQA: windows shorter than,
+    equal to and longer than the context; a cap that bites (scores up to ~6)."""
+    hq, hkv, d, bs = 6, 2, 8, 4
+    q = torch.randn(q_len, hq, d, dtype=torch.float64) * 2
+    k = torch.randn(kv_len, hkv, d, dtype=torch.float64)
+    v = torch.randn(kv_len, hkv, d, dtype=torch.float64)
+    want, want_lse = _brute_force(q, k, v, 0.5, window, softcap)
+    out, lse = ref.attention(q, k, v, 0.5, window=window, softcap=softcap)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    kp, vp, table = _paged_kv(k, v, bs)
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    lens = torch.tensor([kv_len], dtype=torch.int32)
+    out, lse = ref.prefill_attention(q, kp, vp, cu, lens, table[None], 0.5, return_lse=True,
+                                     window=window, softcap=softcap)  # fmt: skip
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    if q_len == 1:
+        dec = ref.decode_attention(q, kp, vp, lens, table[None], 0.5, window=window,
+                                   softcap=softcap)  # fmt: skip
+        torch.testing.assert_close(dec, want)
+
+
+@pytest.mark.parametrize(
+    "q_len,kv_len", [(1, 77), (17, 17), (5, 40), (64, 100), (37, 301), (300, 301)]
+)
+@pytest.mark.parametrize("window", [1, 16, 50, 299, 1000])
+def test_sdpa_path_with_a_window_equals_explicit_math(q_len, kv_len, window):
+    """The torch backend's windowed attention (SDPA in query blocks, each over the keys from
+    its first query's window on) against the explicit math, float32, and both against
+    float64; in blocks of 5 queries too."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    q = torch.randn(q_len, hq, d)
+    k, v = torch.randn(kv_len, hkv, d), torch.randn(kv_len, hkv, d)
+    kp, vp, table = _paged_kv(k, v, bs)
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    lens = torch.tensor([kv_len], dtype=torch.int32)
+    args = (kp, vp, cu, lens, table[None], d**-0.5)
+    fast = ref.prefill_attention(q, *args, window=window)
+    explicit, _ = ref.prefill_attention(q, *args, return_lse=True, window=window)
+    truth = ref.prefill_attention(q.double(), kp.double(), vp.double(), *args[2:], window=window)
+    assert_close(fast, explicit, 1e-6, f"SDPA vs explicit, window {window}")
+    assert_close(explicit, truth, 1e-6, f"explicit vs float64, window {window}")
+    blocks = ref.sdpa_attention(q, k, v, d**-0.5, q_block=5, window=window)
+    assert_close(blocks, explicit, 1e-6, f"SDPA in blocks of 5, window {window}")
+    if window < kv_len:  # the window matters here: this test can fail
+        assert (fast - ref.prefill_attention(q, *args)).abs().max() > 1e-3
+
+
+def test_gather_kv_from_a_start():
+    k = torch.randn(45, 2, 8)
+    kp, table = _paged(k, 8)
+    for start in (0, 1, 7, 8, 9, 40, 44):
+        torch.testing.assert_close(ref.gather_kv(kp, table, 45, start), k[start:])
+
+
+def test_reference_reads_only_the_window_pages():
+    """Pages left of a window may be freed and hold anything (NaN here), and their block-table
+    entries point anywhere (past the pool here): both paths, with and without the LSE, give
+    the same finite output as on a clean cache."""
+    hq, hkv, d, bs, window = 4, 2, 16, 8, 20
+    q_lens, kv_lens = [1, 30, 6], [100, 60, 27]
+    q, kp, vp, cu, lens, tables = _batch(q_lens, kv_lens, hq, hkv, d, bs, torch.float32)
+    bad_k, bad_v, bad_t = kp.clone(), vp.clone(), tables.clone()
+    for b, (n, tk) in enumerate(zip(q_lens, kv_lens)):
+        start = max(0, tk - n - window + 1)  # the chunk's first query's first key
+        whole, part = divmod(start, bs)
+        for x in (bad_k, bad_v):
+            x[tables[b, :whole].long()] = float("nan")
+            x[tables[b, whole].long(), :part] = float("nan")
+        bad_t[b, :whole] = 10**6
+    for kw in ({}, {"return_lse": True}, {"return_lse": True, "softcap": 3.0}):
+        clean = ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.3, window=window, **kw)
+        out = ref.prefill_attention(q, bad_k, bad_v, cu, lens, bad_t, 0.3, window=window, **kw)
+        for a, b in zip(out if kw else (out,), clean if kw else (clean,)):
+            assert torch.isfinite(a).all(), kw
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
