@@ -279,7 +279,13 @@ def test_metrics_gauges_follow_the_core_and_a_disconnect_frees_the_kv_cache():
 
         async def load() -> None:
             ac, tasks, plain = await _open_requests(srv.url, 2)
-            busy = _gauges(srv.url)
+            # the streams have their first tokens; the plain request may still be on its way,
+            # and the core publishes its stats every STATS_PERIOD_S: wait for a snapshot of 3
+            for _ in range(100):
+                busy = _gauges(srv.url)
+                if busy["flashserve_num_requests_running"] == 3:
+                    break
+                await asyncio.sleep(0.1)
             assert busy["flashserve_num_requests_running"] == 3, busy
             assert busy["flashserve_kv_cache_usage_ratio"] > 0, busy
             for t in [*tasks, plain]:
