@@ -78,6 +78,11 @@ def _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, ch
     has_res = residual is not None
     post = post_weight is not None
     post_f32 = post and _out_dtype(x.dtype, post_weight, unit_offset) == torch.float32
+    # A float32 first norm is not rounded before the add, so the compiler may contract
+    # ``residual + w * normed`` into one FMA (LLVM, and ptxas's --fmad): one rounding where
+    # torch's two kernels round twice. Off for that kernel only; with a half-precision first
+    # norm the cast between the multiply and the add already keeps them apart.
+    fusion = {"enable_fp_fusion": False} if post_f32 else {}
     _rms_norm_kernel[(t,)](
         x, residual if has_res else x, post_weight if post else weight, weight, out,
         res_out if has_res else out,
@@ -85,7 +90,7 @@ def _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, ch
         res_out.stride(0) if has_res else 0, eps,
         H=h, HAS_RES=has_res, POST_NORM=post, POST_F32=post_f32, UNIT_OFFSET=unit_offset,
         BLOCK=block, num_warps=max(1, min(16, block // 512)),
-        **pdl_kwargs(x.device, chain),
+        **fusion, **pdl_kwargs(x.device, chain),
     )  # fmt: skip
 
 
