@@ -1,11 +1,13 @@
-"""RMSNorm, alone or fused with the residual add before it (Triton).
+"""RMSNorm, alone, fused with the residual add before it, or (Gemma's sandwich) with the
+sublayer output's own RMSNorm before that add too (Triton).
 
 One program per token row. The rounding follows ``kernels.reference``: the residual sum is
 rounded to the activations' dtype (it is the residual stream), the normalised row is computed
 in float32 and rounded to that dtype, then multiplied by the weight and rounded again. Gemma's
 norm (``unit_offset``) scales by ``1 + w`` in float32 instead and rounds once, to the
-activations' dtype. Only the order of the float32 sum of squares differs from torch, which
-moves a result by at most one unit in the last place of the output dtype.
+activations' dtype. The sandwich rounds the first norm's output where ``rms_norm`` would
+return it, then adds and norms as above. Only the order of the float32 sum of squares differs
+from torch, which moves a result by at most one unit in the last place of the output dtype.
 """
 
 from __future__ import annotations
@@ -18,12 +20,25 @@ from kernels.common import pdl_enter, pdl_kwargs
 
 
 @triton.jit
+def _normed(x, W, offs, mask, eps, H: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """RMSNorm of the row ``x`` (its dtype is the one the normalised row rounds to), float32,
+    before the caller's rounding to the output dtype."""
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        return (xf * inv) * (1.0 + w)
+    return w * (xf * inv).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X,  # [T, H]
     Res,  # [T, H], the residual stream (HAS_RES)
+    WPost,  # [H], X's own norm, applied before the residual add (POST_NORM)
     W,  # [H]
     Out,  # [T, H]
-    ResOut,  # [T, H], Res + X (HAS_RES)
+    ResOut,  # [T, H], Res + X, or Res + rms_norm(X, WPost) (HAS_RES)
     stride_x,
     stride_r,
     stride_o,
@@ -31,6 +46,8 @@ def _rms_norm_kernel(
     eps,
     H: tl.constexpr,
     HAS_RES: tl.constexpr,
+    POST_NORM: tl.constexpr,  # Gemma's sandwich: norm X with WPost first (needs HAS_RES)
+    POST_F32: tl.constexpr,  # that norm's output is float32 (torch promotes X with WPost)
     UNIT_OFFSET: tl.constexpr,  # Gemma: scale by 1 + w in float32, one rounding
     BLOCK: tl.constexpr,
     CHAIN: tl.constexpr,
@@ -41,32 +58,39 @@ def _rms_norm_kernel(
     mask = offs < H
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
+        xf = x.to(tl.float32)
+        if POST_NORM:  # rounded where the separate rms_norm rounds its output
+            xf = _normed(x, WPost, offs, mask, eps, H, UNIT_OFFSET)
+            if not POST_F32:
+                xf = xf.to(x.dtype).to(tl.float32)
         r = tl.load(Res + row * stride_r + offs, mask=mask, other=0.0)
-        x = (r.to(tl.float32) + x.to(tl.float32)).to(ResOut.dtype.element_ty)
+        x = (r.to(tl.float32) + xf).to(ResOut.dtype.element_ty)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        y = (xf * inv) * (1.0 + w)
-    else:
-        y = w * (xf * inv).to(x.dtype).to(tl.float32)
+    y = _normed(x, W, offs, mask, eps, H, UNIT_OFFSET)
     tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, unit_offset, out, res_out, chain) -> None:
+def _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, chain) -> None:
     t, h = x.shape
     if t == 0:
         return
     block = triton.next_power_of_2(h)
     has_res = residual is not None
+    post = post_weight is not None
+    post_f32 = post and _out_dtype(x.dtype, post_weight, unit_offset) == torch.float32
+    # A float32 first norm is not rounded before the add, so the compiler may contract
+    # ``residual + w * normed`` into one FMA (LLVM, and ptxas's --fmad): one rounding where
+    # torch's two kernels round twice. Off for that kernel only; with a half-precision first
+    # norm the cast between the multiply and the add already keeps them apart.
+    fusion = {"enable_fp_fusion": False} if post_f32 else {}
     _rms_norm_kernel[(t,)](
-        x, residual if has_res else x, weight, out, res_out if has_res else out,
+        x, residual if has_res else x, post_weight if post else weight, weight, out,
+        res_out if has_res else out,
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
         res_out.stride(0) if has_res else 0, eps,
-        H=h, HAS_RES=has_res, UNIT_OFFSET=unit_offset, BLOCK=block,
-        num_warps=max(1, min(16, block // 512)),
-        **pdl_kwargs(x.device, chain),
+        H=h, HAS_RES=has_res, POST_NORM=post, POST_F32=post_f32, UNIT_OFFSET=unit_offset,
+        BLOCK=block, num_warps=max(1, min(16, block // 512)),
+        **fusion, **pdl_kwargs(x.device, chain),
     )  # fmt: skip
 
 
@@ -97,7 +121,7 @@ def rms_norm(
     (``kernels.common.pdl_chain``)."""
     _check(x, weight)
     out = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight, unit_offset), device=x.device)
-    _launch(x, None, weight, eps, unit_offset, out, None, chain)
+    _launch(x, None, None, weight, eps, unit_offset, out, None, chain)
     return out
 
 
@@ -113,12 +137,38 @@ def add_rms_norm(
     """``kernels.reference.add_rms_norm`` in one kernel (``unit_offset``: Gemma's ``(1 + w)``
     norm); ``chain``: join the decode layer's PDL chain where the device supports it
     (``kernels.common.pdl_chain``)."""
+    return _add_norm(x, residual, None, weight, eps, unit_offset, chain)
+
+
+def norm_add_norm(
+    x: torch.Tensor,  # [T, H], a sublayer's output
+    residual: torch.Tensor,  # [T, H]
+    post_weight: torch.Tensor,  # [H], the sublayer's own output norm
+    weight: torch.Tensor,  # [H], the next sublayer's input norm
+    eps: float,
+    unit_offset: bool = False,
+    *,
+    chain: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + rms_norm(x)), that residual
+    """``kernels.reference.norm_add_norm`` in one kernel: Gemma's two norms between
+    sublayers (the output's own norm, the residual add, the next input norm), one launch
+    where the separate calls take two; ``chain`` as ``add_rms_norm``'s. The normed output is
+    rounded to the dtype torch's ``rms_norm`` returns before the add, as there."""
+    _check(x, post_weight)
+    if _out_dtype(x.dtype, post_weight, unit_offset) not in (x.dtype, torch.float32):
+        raise ValueError(f"post_weight {post_weight.dtype} with x {x.dtype}: the normed "
+                         "output must be in x's dtype or float32")  # fmt: skip
+    return _add_norm(x, residual, post_weight, weight, eps, unit_offset, chain)
+
+
+def _add_norm(x, residual, post_weight, weight, eps, unit_offset, chain):
     _check(x, weight)
     if residual.shape != x.shape or residual.stride(1) != 1:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
-    res_out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
+    h_dtype = x.dtype if post_weight is None else _out_dtype(x.dtype, post_weight, unit_offset)
+    res_out = torch.empty(x.shape, dtype=torch.promote_types(h_dtype, residual.dtype),
                           device=x.device)  # fmt: skip
     out = torch.empty(x.shape, dtype=_out_dtype(res_out.dtype, weight, unit_offset),
                       device=x.device)  # fmt: skip
-    _launch(x, residual, weight, eps, unit_offset, out, res_out, chain)
+    _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, chain)
     return out, res_out

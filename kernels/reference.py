@@ -1,7 +1,7 @@
 """Plain-torch reference of the kernels: attention over the paged KV cache, and the small
-per-layer operations the Triton backend fuses (RMSNorm with the residual add, RoPE with the KV
-store, SiLU-and-multiply), and the linear layers (the Triton backend streams their weights with
-its own kernel at decode batch sizes).
+per-layer operations the Triton backend fuses (RMSNorm with the residual add, and with Gemma's
+output norm before that add; RoPE with the KV store, SiLU-and-multiply), and the linear layers
+(the Triton backend streams their weights with its own kernel at decode batch sizes).
 
 This is both the ``torch`` backend (CPU and CUDA) and the ground truth the Triton kernels are
 tested against (call the attention on float64 tensors for that). The per-layer operations round
@@ -69,6 +69,21 @@ def add_rms_norm(
     """The residual add of a sublayer and the RMSNorm of the next one."""
     residual = residual + x
     return rms_norm(residual, weight, eps, unit_offset), residual
+
+
+def norm_add_norm(
+    x: torch.Tensor,  # [T, H], a sublayer's output
+    residual: torch.Tensor,  # [T, H], the residual stream before it
+    post_weight: torch.Tensor,  # [H], the sublayer's own output norm
+    weight: torch.Tensor,  # [H], the next sublayer's input norm
+    eps: float,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + rms_norm(x)), that residual
+    """Gemma's sandwich between two sublayers: the output's own norm (``post_attention`` or
+    ``post_feedforward_layernorm``), the residual add, and the next sublayer's input norm;
+    the two calls composed, rounding where they round."""
+    return add_rms_norm(rms_norm(x, post_weight, eps, unit_offset), residual, weight, eps,
+                        unit_offset)  # fmt: skip
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]

@@ -143,15 +143,43 @@ def test_bench_decode_skips_points_that_do_not_fit(tmp_path, capsys):
     out = tmp_path / "decode.json"
     argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu", "--context", "16,600",
             "--batch", "1", "--steps", "2", "--max-kv-tokens", "256", "--no-peer",
-            "--json", str(out), "--no-progress"]  # fmt: skip
+            "--gpu-memory-utilization", "0.5", "--json", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     res = json.loads(out.read_text())
+    # the run records what sized its pool (the share only counts on CUDA)
+    assert res["meta"]["kv_pool_tokens"] == 256
+    assert res["meta"]["gpu_memory_utilization"] == 0.5
     small, big = res["points"]
     assert small["status"] == "ok" and small["ours"]["tokens_per_s"] > 0
     assert small["peer"] is None and res["meta"]["peer_note"] == "--no-peer"
     assert big["status"] == "skipped" and big["ours"] is None
     assert "KV" in big["note"] or "max model len" in big["note"]
     assert "skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flag, expected", [([], 0.90), (["--gpu-memory-utilization", "0.93"], 0.93)]
+)
+def test_bench_decode_and_serve_take_gpu_memory_utilization(flag, expected):
+    """vLLM's option, shared by every engine command (``add_engine_args``): the share of GPU
+    memory the KV pool is sized from (Gemma 3 12B at 128K needs 0.93 on an H100)."""
+    from flashserve.bench.decode import _engine_config
+    from flashserve.cli.args import engine_config_from_args
+    from flashserve.cli.main import build_parser
+    from server.cli import SERVE
+
+    parser = build_parser([SERVE])
+    args = parser.parse_args(["bench", "decode", "--device", "cpu", *flag])
+    assert _engine_config(args).gpu_memory_utilization == expected
+    args = parser.parse_args(["serve", "--device", "cpu", *flag])
+    assert engine_config_from_args(args).gpu_memory_utilization == expected
+
+
+def test_bench_decode_refuses_a_memory_share_over_one(capsys):
+    argv = ["bench", "decode", "--device", "cpu", "--gpu-memory-utilization", "1.5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "gpu_memory_utilization must be in (0, 1]" in err and "Traceback" not in err
 
 
 def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch, tmp_path, capsys):

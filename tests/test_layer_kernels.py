@@ -1,6 +1,7 @@
 """The Triton backend's small per-layer kernels (RMSNorm with the residual add, Gemma's
-``(1 + w)`` form too; RoPE with the q/k head norms, partial rotary and the KV store; SiLU- and
-GELU-tanh-and-multiply) against ``kernels.reference``, which rounds as Hugging Face does.
+``(1 + w)`` form too, and Gemma's output norm before that add; RoPE with the q/k head norms,
+partial rotary and the KV store; SiLU- and GELU-tanh-and-multiply) against
+``kernels.reference``, which rounds as Hugging Face does.
 
 Without a GPU they run in Triton's interpreter in float32 and float16 (its bfloat16 casts do
 not round to nearest); with one, on it, in bfloat16 too. The residual sums, the RoPE outputs
@@ -25,7 +26,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable on this 
 
 from kernels import reference  # noqa: E402
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
-from kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from kernels.norm import add_rms_norm, norm_add_norm, rms_norm  # noqa: E402
 from kernels.rope import rope_write_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +109,72 @@ def test_gemma_unit_offset_norm_matches_reference(dtype, hidden, weight_dtype):
     assert torch.allclose(out.double(), exact, rtol=4 * info.eps, atol=info.tiny)
     # and the plain norm is not this one: the flag reaches the kernel
     assert not torch.allclose(rms_norm(x, w, eps).to(dtype), out)
+
+
+def check_norm_add_norm(x, res, w_post, w, eps, unit_offset, what) -> None:
+    """``norm_add_norm`` against the reference (the two calls composed). The first norm may be
+    its ulps off torch's (the float32 sum order), which moves the residual by at most those
+    ulps (of x's dtype) of the normed value before the sum rounds; the second norm is within
+    its ulps of the norm of the kernel's residual; and both outputs equal, bit for bit, the
+    two launches the fused one replaces (on the GPU a float32 first norm is not compared so:
+    the separate kernels may contract a multiply-add that the fused one must not)."""
+    out, new_res = norm_add_norm(x, res, w_post, w, eps, unit_offset)
+    ref_out, ref_res = reference.norm_add_norm(x, res, w_post, w, eps, unit_offset)
+    assert (out.dtype, new_res.dtype) == (ref_out.dtype, ref_res.dtype), what
+    assert out.shape == new_res.shape == x.shape, what
+    h = reference.rms_norm(x, w_post, eps, unit_offset)  # [T, H]
+    # ulps of x's dtype: the normalised row rounds to it (before a float32 weight, too)
+    h_ulps = 4 if x.dtype == torch.float32 else (1 if unit_offset else 2)
+    tol = (h_ulps * h.double().abs() * torch.finfo(x.dtype).eps
+           + ref_res.double().abs() * torch.finfo(ref_res.dtype).eps
+           + torch.finfo(h.dtype).tiny)  # fmt: skip
+    bad = ~((new_res.double() - ref_res.double()).abs() <= tol)
+    if bad.any():
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what} residual: {int(bad.sum())} elements off; at {idx}: got "
+                             f"{new_res[idx].item()!r}, want {ref_res[idx].item()!r}")  # fmt: skip
+    second = reference.rms_norm(new_res, w, eps, unit_offset)
+    assert_within_ulp(out, second, f"{what} out", half_ulps=1 if unit_offset else 2)
+    if h.dtype != torch.float32 or DEVICE == "cpu":
+        sep_out, sep_res = add_rms_norm(rms_norm(x, w_post, eps, unit_offset), res, w, eps,
+                                        unit_offset)  # fmt: skip
+        assert torch.equal(new_res, sep_res), f"{what}: residual differs from the two launches"
+        assert torch.equal(out, sep_out), f"{what}: output differs from the two launches"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 640, 3840])
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("weight_dtype", ["same", "float32"])
+def test_norm_add_norm_matches_reference(dtype, hidden, unit_offset, weight_dtype):
+    """Gemma's two norms between sublayers in one launch (``post_*_layernorm``, the residual
+    add, the next input norm), in both norm forms and with float32 weights, whose first norm
+    torch returns in float32 without ``unit_offset`` (so the sum is a float32 one)."""
+    t, eps = 5, 1e-6
+    center = 0.0 if unit_offset else 1.0
+    wdt = dtype if weight_dtype == "same" else torch.float32
+    x = (torch.randn(t, hidden, device=DEVICE) * 3).to(dtype)
+    res = (torch.randn(t, hidden, device=DEVICE) * 2).to(dtype)
+    w_post, w = ((center + 0.3 * torch.randn(hidden, device=DEVICE)).to(wdt) for _ in range(2))
+    check_norm_add_norm(x, res, w_post, w, eps, unit_offset, f"{dtype} {hidden}")
+    # the first norm took effect: the residual is not the plain sum
+    plain = reference.add_rms_norm(x, res, w, eps, unit_offset)[1]
+    new_res = norm_add_norm(x, res, w_post, w, eps, unit_offset)[1]
+    assert not torch.allclose(new_res.double(), plain.double(), atol=0.1)
+
+
+def test_norm_add_norm_rejects_and_empty():
+    x, w = torch.randn(3, 64, device=DEVICE), torch.zeros(64, device=DEVICE)
+    out, new_res = norm_add_norm(x[:0], x[:0], w, w, 1e-6, True)
+    assert out.shape == new_res.shape == (0, 64)
+    with pytest.raises(ValueError, match="weight"):
+        norm_add_norm(x, x, w[:32], w, 1e-6, True)
+    with pytest.raises(ValueError, match="weight"):
+        norm_add_norm(x, x, w, w[:32], 1e-6, True)
+    with pytest.raises(ValueError, match="residual"):
+        norm_add_norm(x, x[:2], w, w, 1e-6, True)
+    with pytest.raises(ValueError, match="post_weight"):  # torch would promote to float64
+        norm_add_norm(x, x, w.double(), w, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -297,6 +364,7 @@ def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
     x, w = torch.randn(2, 64, device=DEVICE), torch.ones(64, device=DEVICE)
     ops.rms_norm(x, w, 1e-6)
     ops.add_rms_norm(x, x, w, 1e-6)
+    ops.norm_add_norm(x, x, w, w, 1e-6)
     ops.silu_and_mul(x)
     ops.gelu_tanh_and_mul(x)
     cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
@@ -304,7 +372,7 @@ def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
     pos = slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     ops.rope_write_kv(torch.randn(2, 48, device=DEVICE), pos, cos, cos, cache, cache.clone(),
                       slots, 1, 1)  # fmt: skip
-    assert seen == [chain] * 5
+    assert seen == [chain] * 6
 
 
 # (hidden, heads, kv heads, head dim, rotated dims, head norms, Gemma's norms, MLP width)
@@ -331,6 +399,8 @@ def test_layer_kernels_at_model_shapes_in_bf16(shape):
         ref_out, ref_res = reference.add_rms_norm(x, res, w, eps, gemma)
         assert torch.equal(new_res, ref_res)
         assert_within_ulp(out, ref_out, f"{shape} add_rms_norm", half_ulps=1 if gemma else 2)
+        w_post = (center + 0.3 * torch.randn(hidden, device=DEVICE)).to(dt)
+        check_norm_add_norm(x, res, w_post, w, eps, gemma, f"{shape} norm_add_norm")
         gate_up = (torch.randn(t, 2 * inter, device=DEVICE) * 3).to(dt)
         act = gelu_tanh_and_mul if gemma else silu_and_mul
         ref_act = (reference.gelu_tanh_and_mul if gemma else reference.silu_and_mul)(gate_up)

@@ -108,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
             "copy_bandwidth_gbs": bandwidth / 1e9,
             "weight_bytes_read": weights,
             "kv_bytes_per_token": kv_per_token,
+            # what decides the longest point that fits: the pool's size, and on CUDA the
+            # share of memory it came from (--gpu-memory-utilization)
+            "kv_pool_tokens": engine.runner.num_blocks * config.block_size,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
             "steps": args.steps,
             **peer_info,
         },

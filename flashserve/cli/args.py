@@ -49,7 +49,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="KV cache size in tokens (default: from --gpu-memory-utilization)",
     )
-    g.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory to use")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="share of the GPU's memory the engine may fill: the weights, a step's "
+        "activations and the KV cache, which gets the rest (default: "
+        f"{EngineConfig.gpu_memory_utilization:.2f})",
+    )
     g.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")

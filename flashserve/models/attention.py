@@ -44,6 +44,7 @@ BACKEND_OPS = (
     "linear",
     "rms_norm",
     "add_rms_norm",
+    "norm_add_norm",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "rope_write_kv",
@@ -67,6 +68,9 @@ class AttentionBackend(ABC):
     linear: Op  # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]
     rms_norm: Op  # (x [T, H], weight [H], eps, unit_offset=False) -> [T, H]
     add_rms_norm: Op  # (x, residual, weight, eps, unit_offset=False) -> (normed, new residual)
+    # (x, residual, post_weight, weight, eps, unit_offset=False) -> (normed, new residual):
+    # x normed by post_weight before the add (Gemma's sandwich norms)
+    norm_add_norm: Op
     silu_and_mul: Op  # [T, 2I] -> [T, I]
     gelu_tanh_and_mul: Op  # [T, 2I] -> [T, I]
     # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv, q_norm=None, k_norm=None,
@@ -156,8 +160,9 @@ class TorchBackend(AttentionBackend):
 
 class TritonBackend(AttentionBackend):
     """Attention on the Triton kernels; the small operations around it fused (RMSNorm with
-    the residual add, RoPE with the KV store, SiLU with the multiply), one launch each, and
-    linear layers at decode batch sizes on the weight-streaming kernel."""
+    the residual add, and with Gemma's output norm before it; RoPE with the KV store, SiLU
+    with the multiply), one launch each, and linear layers at decode batch sizes on the
+    weight-streaming kernel."""
 
     name = "triton"
 
@@ -169,13 +174,13 @@ class TritonBackend(AttentionBackend):
         from kernels.activation import gelu_tanh_and_mul, silu_and_mul
         from kernels.decode import decode_attention
         from kernels.gemv import linear
-        from kernels.norm import add_rms_norm, rms_norm
+        from kernels.norm import add_rms_norm, norm_add_norm, rms_norm
         from kernels.prefill import prefill_attention
         from kernels.rope import rope_write_kv
 
         chained = {"linear": linear, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm,
-                   "silu_and_mul": silu_and_mul, "gelu_tanh_and_mul": gelu_tanh_and_mul,
-                   "rope_write_kv": rope_write_kv,
+                   "norm_add_norm": norm_add_norm, "silu_and_mul": silu_and_mul,
+                   "gelu_tanh_and_mul": gelu_tanh_and_mul, "rope_write_kv": rope_write_kv,
                    "decode_attention": decode_attention}  # fmt: skip
         ops = {name: partial(fn, chain=self.pdl_chain) for name, fn in chained.items()}
         return {**ops, "prefill_attention": prefill_attention}

@@ -9,10 +9,12 @@ The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSN
 starts a sublayer adds the previous sublayer's output to the residual first
 (``add_rms_norm``), so the backend can do both in one kernel. The sums are the ones Hugging
 Face computes, in the same order and dtype. Gemma's extra norms (after attention, after the
-MLP) apply to a sublayer's output before that add. The small operations (norms, RoPE with the
-KV store, the gated activations) come from the attention backend
-(``flashserve.models.attention.AttentionBackend``): the torch one rounds exactly as Hugging
-Face does; the Triton one fuses them.
+MLP) apply to a sublayer's output before that add, in the same kernel (``norm_add_norm``):
+so a Gemma layer returns its MLP output un-normed and the next layer's input norm (or the
+final norm) applies the layer's ``post_feedforward_layernorm`` with its own. The small
+operations (norms, RoPE with the KV store, the gated activations) come from the attention
+backend (``flashserve.models.attention.AttentionBackend``): the torch one rounds exactly as
+Hugging Face does; the Triton one fuses them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin tables [P, R/2]
 class RMSNorm(nn.Module):
     """``w * x / sqrt(mean(x^2) + eps)``, normalised in float32 and cast back before ``w``
     (or Gemma's ``(1 + w)``, applied in float32: ``unit_offset``); with ``residual``,
-    normalises ``residual + x`` and returns that sum too."""
+    normalises ``residual + x`` and returns that sum too; with ``post`` as well, ``x`` is
+    normed by ``post`` (a sublayer's output norm, Gemma's) before that add."""
 
     def __init__(self, size: int, eps: float, backend: AttentionBackend | None = None,
                  unit_offset: bool = False):  # fmt: skip
@@ -50,10 +53,13 @@ class RMSNorm(nn.Module):
         self.kwargs = {"unit_offset": True} if unit_offset else {}
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, post: RMSNorm | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H] (and the new residual)
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps, **self.kwargs)
+        if post is not None:  # the same eps and form: both come from the model's config
+            return self.ops.norm_add_norm(x, residual, post.weight, self.weight, self.eps,
+                                          **self.kwargs)  # fmt: skip
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **self.kwargs)
 
 
@@ -123,7 +129,11 @@ class DecoderLayer(nn.Module):
     """Norm, attention, norm, MLP; with ``sandwich_norms`` (Gemma) the attention and MLP
     outputs are normed too (``post_attention_layernorm``, ``post_feedforward_layernorm``)
     and the MLP's input norm is ``pre_feedforward_layernorm``. Without them the MLP's input
-    norm is Llama's ``post_attention_layernorm``. The names are Hugging Face's."""
+    norm is Llama's ``post_attention_layernorm``. The names are Hugging Face's.
+
+    Each output norm runs in the kernel of the input norm after it (``RMSNorm``'s ``post``):
+    the layer returns its MLP output un-normed and ``output_norm`` names the norm the next
+    layer (or the model's final norm) must apply to it first."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
@@ -136,6 +146,12 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(config, backend)
         self.mlp = MLP(config, backend)
 
+    @property
+    def output_norm(self) -> RMSNorm | None:
+        """The norm this layer's output still needs (Gemma's ``post_feedforward_layernorm``),
+        applied by the next norm with its own; None: the output is final."""
+        return self.post_feedforward_layernorm if self.sandwich else None
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]: the previous layer's MLP output, or the embeddings
@@ -144,16 +160,17 @@ class DecoderLayer(nn.Module):
         ropes: list[Rope],
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
         meta: AttentionMetadata,
+        post: RMSNorm | None = None,  # the previous layer's ``output_norm``, for x
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, post)
         x = self.self_attn(x, positions, ropes, kv_cache, meta)
-        if self.sandwich:
-            x = self.post_attention_layernorm(x)
-            x, residual = self.pre_feedforward_layernorm(x, residual)
-            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        if self.sandwich:  # post_attention_layernorm, the add, pre_feedforward_layernorm
+            x, residual = self.pre_feedforward_layernorm(x, residual,
+                                                         self.post_attention_layernorm)  # fmt: skip
+            return self.mlp(x), residual  # post_feedforward_layernorm: the next norm's
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -197,10 +214,11 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         ropes = [(r.cos, r.sin) for r in self.model.rotary_embeddings()]
-        x, residual = self.embed(input_ids), None  # [T, hidden]
+        x, residual, post = self.embed(input_ids), None, None  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, ropes, kv_cache, meta)
-        return self.model.norm(x, residual)[0]
+            x, residual = layer(x, residual, positions, ropes, kv_cache, meta, post)
+            post = layer.output_norm
+        return self.model.norm(x, residual, post)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """The token embeddings, times ``embed_scale`` rounded to their dtype first (as
