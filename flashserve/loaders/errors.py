@@ -6,9 +6,9 @@ from pathlib import Path
 
 
 class WeightsError(ValueError):
-    """A file of a checkpoint (weights, their index, the config) that is missing, truncated,
-    corrupt, or holds tensors the model cannot take. ``str()`` is one line, the file first,
-    then the problem.
+    """A file of a checkpoint (weights, their index, the config, the tokenizer's files, a GGUF
+    file) that is missing, truncated, corrupt, or holds tensors the model cannot take. ``str()``
+    is one line, the file first, then the problem.
 
     A ValueError, so the command line reports it as it reports any model that cannot be
     loaded, in one line with exit status 1 (``flashserve.cli.args.load_engine``; in ``serve``

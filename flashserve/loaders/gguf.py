@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
 
+from flashserve.loaders.errors import WeightsError
 from flashserve.loaders.gguf_config import ROPE_TENSORS, hf_config_dict
 from flashserve.models.config import ModelConfig
 
@@ -58,6 +60,17 @@ _ARCH_LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _UNIT_OFFSET_NORMS = ("gemma2", "gemma3")  # archs whose files store 1 + w for each norm
+_QK_NAMES = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")  # llama permutes
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    """``gguf.GGUFReader`` on a file whose header ``gguf_header.read_header`` has checked.
+    What the reader still refuses (a field of a type it does not expect, say) is a
+    WeightsError naming the file, not one of the assorted exceptions it raises."""
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # ValueError, KeyError, IndexError...: all mean a bad file here
+        raise WeightsError(path, f"unreadable by the gguf package: {exc}") from exc
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -118,10 +131,11 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 
 
 def _to_hf_layout(arch: str, name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-        return unpermute_qk(w, config.num_attention_heads)
-    if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-        return unpermute_qk(w, config.num_key_value_heads)
+    if arch == "llama" and name.endswith(_QK_NAMES):
+        heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+        # rows of the wrong count would not split into heads: the tensor goes on as it is,
+        # and the model names its shape and the one it expects
+        return unpermute_qk(w, heads) if w.shape[0] == heads * config.head_dim else w
     if arch in _UNIT_OFFSET_NORMS and name.endswith("norm.weight"):
         return w - 1.0
     return w

@@ -14,11 +14,12 @@ import logging
 import pathlib
 from dataclasses import dataclass
 
-import gguf
 import torch
 
 from flashserve.loaders import gguf as gguf_source
 from flashserve.loaders import hf as hf_source
+from flashserve.loaders.errors import WeightsError
+from flashserve.loaders.gguf_header import read_header as read_gguf_header
 from flashserve.models import DecoderForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
@@ -97,20 +98,26 @@ def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> Lo
     model = build_model(config, backend, device, dtype)
     try:
         model.load_weights(checkpoint.weights())
-    except hf_source.WeightsError:
+    except WeightsError:
         raise
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
-        raise hf_source.WeightsError(checkpoint.current or path, str(exc)) from exc
+        raise WeightsError(checkpoint.current or path, str(exc)) from exc
     return LoadedModel(model, config, tokenizer, config.name)
 
 
 def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
-    reader = gguf.GGUFReader(path)
-    meta = gguf_source.read_metadata(reader)
-    config = gguf_source.read_config(reader, meta, name=path.stem)
-    tokenizer = Tokenizer.from_gguf(meta)  # before the weights: fail fast
+    header = read_gguf_header(path)  # the whole header checked, every tensor there: no data read
+    reader = gguf_source.open_reader(path)
+    config = gguf_source.read_config(reader, header.metadata, name=path.stem)
+    try:  # before the weights: fail fast
+        tokenizer = Tokenizer.from_gguf(header.metadata)
+    except ValueError as exc:  # the file's tokenizer.ggml.* keys, missing or inconsistent
+        raise WeightsError(path, str(exc)) from exc
     model = build_model(config, backend, device, dtype)
-    model.load_weights(gguf_source.iter_weights(reader, config))
+    try:
+        model.load_weights(gguf_source.iter_weights(reader, config))
+    except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
+        raise WeightsError(path, str(exc)) from exc
     return LoadedModel(model, config, tokenizer, config.name)
 
 

@@ -25,6 +25,11 @@ from flashserve.loaders.gguf_metadata import read_gguf_metadata
 
 log = logging.getLogger(__name__)
 
+# the special token ids a GGUF file may give (tokenizer.ggml.<key>)
+SPECIAL_ID_KEYS = (
+    "bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id",
+    "unknown_token_id", "padding_token_id",
+)  # fmt: skip
 # llama.cpp token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -84,6 +89,13 @@ def pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
 def build_backend(meta: Mapping[str, Any]) -> Backend:
     """A `tokenizers.Tokenizer` for the vocabulary ``meta`` describes (no post-processor)."""
     kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError("GGUF has no vocabulary (tokenizer.ggml.tokens): no tokenizer to build")
+    for key in SPECIAL_ID_KEYS:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if i is not None and not (type(i) is int and 0 <= i < len(tokens)):
+            raise ValueError(f"GGUF tokenizer.ggml.{key} {i} is not among its {len(tokens)} tokens")
     if kind == "gpt2":
         backend = _byte_level_bpe(meta)
     elif kind == "llama":

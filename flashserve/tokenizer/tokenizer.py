@@ -15,9 +15,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from flashserve.loaders.errors import WeightsError
 from flashserve.tokenizer import gguf as gguf_tokenizer
 from flashserve.tokenizer.chat_template import render_chat
 
@@ -71,7 +73,7 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json (the fast tokenizer file)")
-        backend = Backend.from_file(str(path / "tokenizer.json"))
+        backend = _read_backend(path / "tokenizer.json")
         config = _read_json(path / "special_tokens_map.json")
         config.update(_read_json(path / "tokenizer_config.json"))
         names = {k: _token_text(config.get(k)) for k in _SPECIAL_NAMES}
@@ -241,8 +243,29 @@ def _max_token_chars(backend: Backend) -> int | None:
     return longest * 4 if backend.normalizer is not None else longest
 
 
+def _read_backend(file: Path) -> Backend:
+    """``tokenizer.json`` as the tokenizers library reads it. What it cannot read (a file cut
+    short, overwritten, or in a newer library's format) is a WeightsError naming the file: the
+    library raises a bare Exception, which the command line would print as a traceback."""
+    try:
+        return Backend.from_file(str(file))
+    except Exception as exc:  # the library's only exception type
+        problem = f"unreadable by tokenizers {tokenizers.__version__}: {exc}"
+        raise WeightsError(file, f"{problem} (cut short, or from a newer version?)") from exc
+
+
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """A JSON object file's contents, {} if there is no such file; WeightsError naming it if
+    it holds something else."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightsError(path, f"corrupt: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise WeightsError(path, "corrupt: not a JSON object")
+    return data
 
 
 def _token_text(value: Any) -> str | None:
