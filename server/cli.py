@@ -161,7 +161,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         llm = EngineCoreClient(config, log_level=logging.getLogger().getEffectiveLevel())
     except CoreStartupError as exc:
-        raise cli.CLIError(f"cannot load the model {config.model or '(default)'}: {exc}") from exc
+        raise cli.model_error(config, exc) from exc
     app = build_app(llm=llm, raw_prompts=args.raw_prompts, settings=settings)
     # the drain (DrainingServer) lets requests finish; what is still open after it gets 2 s
     uvicorn_config = uvicorn.Config(

@@ -176,6 +176,7 @@ def test_generate_names_the_file_and_the_problem(broken):
     line = _the_error_line(_run("generate", "w5 w6", "--model", str(path),
                                 module="flashserve"), "generate")  # fmt: skip
     assert f": {file}" in line and re.search(problem, line), line
+    assert line.count(str(path)) == 1, f"the path said twice: {line}"
 
 
 @pytest.mark.parametrize("broken", ["truncated-data", "shard-missing", "wrong-shape"],

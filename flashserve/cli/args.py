@@ -94,4 +94,13 @@ def load_engine(factory: Callable[[EngineConfig], T], config: EngineConfig) -> T
     try:
         return factory(config)
     except (OSError, ValueError) as exc:
-        raise CLIError(f"cannot load the model {config.model or '(default)'}: {exc}") from exc
+        raise model_error(config, exc) from exc
+
+
+def model_error(config: EngineConfig, exc: BaseException) -> CLIError:
+    """The one line for a model that cannot be loaded: the model, then the problem (once: a
+    ``WeightsError`` already starts with the file, which may be the model's path)."""
+    text = str(exc)
+    if config.model and text.startswith(config.model):
+        return CLIError(f"cannot load the model: {text}")
+    return CLIError(f"cannot load the model {config.model or '(default)'}: {text}")
