@@ -47,12 +47,16 @@ def why_not(engine: LLMEngine, context: int, batch: int, steps: int) -> str | No
     if batch > engine.config.max_num_seqs:
         return f"batch {batch} over --max-num-seqs {engine.config.max_num_seqs}"
     if total > engine.max_model_len:
-        return f"needs {total} tokens per sequence, max model len is {engine.max_model_len}"
+        why = f"needs {total} tokens per sequence, max model len is {engine.max_model_len}"
+        if engine.config.max_model_len and engine.max_model_len < engine.config.max_model_len:
+            why += " (capped by the KV pool: try a larger --gpu-memory-utilization)"
+        return why
     bs = engine.config.block_size
     need = batch * math.ceil(total / bs)
     have = engine.runner.num_blocks
     if need > have:
-        return f"needs {need * bs} KV tokens, the pool holds {have * bs}"
+        return (f"needs {need * bs} KV tokens, the pool holds {have * bs} (a larger "
+                "--gpu-memory-utilization or --max-kv-tokens makes it larger)")  # fmt: skip
     return None
 
 
