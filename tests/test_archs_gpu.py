@@ -57,3 +57,28 @@ def test_triton_gives_the_torch_backends_tokens(checkpoint, eager):
     got, got_lp = _generate(path, case, "triton", eager, prompts, 4)
     assert got == want
     assert got_lp == pytest.approx(want_lp, abs=2e-3)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_bf16_triton_tokens_are_torch_argmax_within_rounding(checkpoint, eager):
+    """bfloat16: the backends round differently, so a near-tie may go either way; each token
+    the Triton engine picks is, teacher-forced through the torch backend, within bf16 rounding
+    of its best logit (a window ignored or misplaced moves logits by far more)."""
+    from test_engine_gpu import _teacher_forced_logits
+
+    path, case = checkpoint
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (case.prompt_len,), generator=gen).tolist()]
+    config = dict(model=path, device="cuda", dtype="bfloat16", max_num_batched_tokens=CHUNK,
+                  max_model_len=case.max_model_len or 256, max_num_seqs=4,
+                  max_kv_tokens=8192)  # fmt: skip
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    llm = LLM(EngineConfig(**config, attention_backend="triton", enforce_eager=eager))
+    tokens = llm.generate(prompts, params)[0].token_ids
+    del llm
+    ref = LLM(EngineConfig(**config, attention_backend="torch", enforce_eager=True))
+    logits = _teacher_forced_logits(ref, prompts[0] + tokens)[len(prompts[0]) - 1 : -1]
+    chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    gap = logits.max(dim=1).values - chosen  # >= 0; 0 where torch agrees exactly
+    slack = 0.02 * logits.abs().max(dim=1).values + 0.1  # a few bf16 spacings of the logits
+    assert (gap <= slack).all(), (tokens, gap.tolist(), slack.tolist())
