@@ -260,12 +260,14 @@ class BlockManager:
         ``num_new_tokens`` more. With a window, the hits left of its next token's window stay
         in the table as released entries, not held."""
         _check(not seq.block_table, f"{seq} already holds blocks")
+        keys = self.keys(seq, len(hits))
+        for block_id, key in zip(hits, keys):
+            _check(self._key_of[block_id] == key, f"block {block_id} is stale: evicted")
         if self.blocks_to_admit(hits, num_new_tokens) > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: cannot admit {seq}")
         cached = len(hits) * self.block_size
         first = self._first_held(cached)
         for i, block_id in enumerate(hits):
-            _check(self._key_of[block_id] == seq.block_keys[i], f"block {block_id} is stale")
             if i >= first:
                 if self._ref_counts[block_id] == 0:
                     del self._cached_free[block_id]
