@@ -10,11 +10,13 @@ backend) with caching on and off and compare greedy tokens and logprobs.
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 from scheduler_harness import AsyncFakeEngine, FakeEngine
 
+from flashserve.cli.args import add_engine_args, engine_config_from_args
 from flashserve.config import EngineConfig
 from flashserve.engine.block_manager import BlockError, BlockManager
 from flashserve.engine.llm_engine import LLM
@@ -361,3 +363,12 @@ def test_engine_evicts_under_a_small_pool() -> None:
     assert got == want
     assert gained == 0, "the first prompt was evicted long ago"
     assert sched.prefix_cache_hits == 16 * ((len(prompts[-1]) - 1) // 16)  # the repeat only
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--no-prefix-caching"], False),
+                                        (["--prefix-caching"], True)])  # fmt: skip
+def test_cli_flag(flag: list[str], want: bool) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--device", "cpu", *flag])
+    assert engine_config_from_args(args).enable_prefix_caching is want
