@@ -45,6 +45,9 @@ class EngineConfig:
     # chain the decode layer's Triton kernels with programmatic dependent launch (each launched
     # early, waiting in-kernel for the one before it; sm_90+ only); None: on with triton
     pdl_chain: bool | None = None
+    # keep the KV blocks of computed prefixes and reuse them for requests that start alike
+    # (flashserve.engine.block_manager); off: every request computes its whole prompt
+    enable_prefix_caching: bool = True
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
 
     def __post_init__(self) -> None:

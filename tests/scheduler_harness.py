@@ -6,6 +6,14 @@ that every token a step reads is still in its blocks (all earlier tokens; with a
 released while still in the window shows up as a wrong token. With a window it also checks that
 each sequence holds exactly the blocks from its window's first one on, no more than
 ``peak_blocks``.
+
+Prefix caching (on unless ``enable_prefix_caching=False``): prompts may start with one of
+``prefixes``. A slot records which sequence wrote it; a token read from a block another
+sequence wrote must be that sequence's token at that position after the same prefix. Every
+step it checks that a reference count equals the number of running sequences that hold the
+block, that no step writes into a keyed (cached) block, that each keyed block holds what its
+writer computed for the tokens its key names, and the block manager's own records
+(``BlockManager.check``).
 """
 
 from __future__ import annotations
@@ -31,10 +39,14 @@ class FakeEngine:
 
     def __init__(self, num_blocks: int, window: int = 0, **config):
         self.config = EngineConfig(device="cpu", **config)
-        self.bm = BlockManager(num_blocks, self.config.block_size, window)
+        self.bm = BlockManager(num_blocks, self.config.block_size, window,
+                               prefix_caching=self.config.enable_prefix_caching)  # fmt: skip
         self.window = window
         self.sched = Scheduler(self.config, self.bm)
         self.kv: dict[tuple[int, int], tuple[int, int, int]] = {}  # (block, slot) -> written
+        self.by_id: dict[int, Sequence] = {}  # seq_id -> sequence (the writers of self.kv)
+        self.prefixes: list[list[int]] = []  # prompts start with one of these half the time
+        self.verified: dict[int, bytes] = {}  # block -> the key its contents were checked for
         self.order: dict[int, int] = {}  # seq_id -> arrival rank
         self.seqs: list[Sequence] = []
         self.outputs: list[SchedulerOutput] = []
@@ -43,7 +55,12 @@ class FakeEngine:
 
     def add(self, prompt_len: int, max_new: int) -> Sequence:
         prompt = [random.randrange(50_000) for _ in range(prompt_len)]
+        if self.prefixes and random.random() < 0.5:
+            prefix = random.choice(self.prefixes)
+            k = random.randint(0, min(len(prefix), prompt_len))
+            prompt[:k] = prefix[:k]
         seq = Sequence(prompt, SamplingParams(max_new_tokens=max_new))
+        self.by_id[seq.seq_id] = seq
         self.order[seq.seq_id] = len(self.order)
         self.seqs.append(seq)
         self.sched.add(seq)
@@ -114,7 +131,9 @@ class FakeEngine:
         start = seq.num_computed_tokens
         ids = seq.token_ids
         for pos in range(start, start + seq.num_scheduled_tokens):
-            self.kv[(seq.block_table[pos // bs], pos % bs)] = (seq.seq_id, pos, ids[pos])
+            block = seq.block_table[pos // bs]
+            assert self.bm.key_of(block) is None, f"{seq} writes into cached block {block}"
+            self.kv[(block, pos % bs)] = (seq.seq_id, pos, ids[pos])
         self._check_kv(seq, start, start + seq.num_scheduled_tokens)
 
     def _first_read(self, pos: int) -> int:
@@ -130,7 +149,15 @@ class FakeEngine:
         ids = seq.token_ids
         for pos in range(self._first_read(start), end):
             got = self.kv.get((seq.block_table[pos // bs], pos % bs))
-            assert got == (seq.seq_id, pos, ids[pos]), f"{seq}: KV at position {pos} is {got}"
+            assert self._same(got, seq.seq_id, pos, ids), f"{seq}: KV at position {pos} is {got}"
+
+    def _same(self, got: tuple[int, int, int] | None, seq_id: int, pos: int, ids: list[int]
+              ) -> bool:  # fmt: skip
+        """Whether the slot record ``got`` is the KV of token ``ids[pos]`` after ``ids[:pos]``
+        (written by ``seq_id`` itself, or by a sequence with the same tokens up to ``pos``)."""
+        if got is None or got[1] != pos or got[2] != ids[pos]:
+            return False
+        return got[0] == seq_id or self.by_id[got[0]].token_ids[: pos + 1] == ids[: pos + 1]
 
     def _check_held(self, seq: Sequence) -> None:
         """``seq`` owns its table's blocks from the first one its next token reads on (all of
@@ -172,11 +199,40 @@ class FakeEngine:
             assert all(self.order[r.seq_id] < self.order[seq.seq_id] for r in self.sched.running)
         assert list(self.sched.waiting[: len(rank)]) == out.preempted[::-1]
 
+    def _check_holders(self) -> None:
+        """Each block's reference count is the number of running sequences holding it (no
+        sequence holds one twice); the blocks nobody holds are the free ones; keyed blocks
+        hold what their writer computed for the tokens their key names."""
+        bm = self.bm
+        bm.check()
+        holders = [0] * bm.num_blocks
+        for seq in self.sched.running:
+            assert len(set(seq.held_blocks)) == len(seq.held_blocks), f"{seq} holds one twice"
+            for b in seq.held_blocks:
+                holders[b] += 1
+        assert [bm.ref_count(b) for b in range(bm.num_blocks)] == holders
+        assert bm.num_free_blocks == holders.count(0)
+        bs = bm.block_size
+        for b in range(bm.num_blocks):
+            key = bm.key_of(b)
+            if key is None or self.verified.get(b) == key:  # no step writes a keyed block
+                continue
+            self.verified[b] = key
+            slots = [self.kv.get((b, i)) for i in range(bs)]
+            assert None not in slots and len({w for w, _, _ in slots}) == 1, f"block {b}"
+            writer, first = self.by_id[slots[0][0]], slots[0][1]
+            assert first % bs == 0 and [p for _, p, _ in slots] == list(range(first, first + bs))
+            assert all(self._same(g, writer.seq_id, g[1], writer.token_ids) for g in slots)
+            index = first // bs
+            assert bm.keys(writer, index + 1)[index] == key, f"block {b}: a wrong key"
+
     def _check_pool(self) -> None:
-        """Blocks: running sequences own disjoint tables covering their tokens, the rest free."""
-        held = [b for s in self.sched.running for b in s.held_blocks]
-        assert len(held) == len(set(held)) == self.bm.num_blocks - self.bm.num_free_blocks
-        assert all(self.bm.ref_count(b) == 1 for b in held)
+        """Blocks: held blocks counted right (shared only through the prefix cache), tables
+        covering their tokens, the rest free."""
+        self._check_holders()
+        if not self.bm.prefix_caching:
+            held = [b for s in self.sched.running for b in s.held_blocks]
+            assert len(held) == len(set(held)), "a block held twice without prefix caching"
         assert all(s.block_table == [] for s in self.sched.waiting)
         ranks = [self.order[s.seq_id] for s in self.sched.running + self.sched.waiting]
         assert ranks == sorted(ranks), "running then waiting must stay in arrival order"
@@ -296,8 +352,7 @@ class AsyncFakeEngine(FakeEngine):
             assert len(seq.block_table) >= self.bm.num_blocks_for(seq.num_tokens + 1)
         for seq in self.sched.running:
             self._check_held(seq)
-        held = [b for s in self.sched.running for b in s.held_blocks]
-        assert len(held) == len(set(held)) == self.bm.num_blocks - self.bm.num_free_blocks
+        self._check_holders()
 
     def _write_kv(self, seq: Sequence) -> None:
         ids, start = seq.token_ids, seq.num_computed_tokens
@@ -311,11 +366,13 @@ class AsyncFakeEngine(FakeEngine):
         ids = seq.token_ids + [token(seq.seq_id, pos)]
         for p in range(self._first_read(pos), pos + 1):
             got = self.kv.get((seq.block_table[p // bs], p % bs))
-            assert got == (seq.seq_id, p, ids[p]), f"{seq}: KV at position {p} is {got}"
+            assert self._same(got, seq.seq_id, p, ids), f"{seq}: KV at position {p} is {got}"
 
     def _write_slot(self, seq: Sequence, pos: int, tok: int) -> None:
         bs = self.bm.block_size
-        self.kv[(seq.block_table[pos // bs], pos % bs)] = (seq.seq_id, pos, tok)
+        block = seq.block_table[pos // bs]
+        assert self.bm.key_of(block) is None, f"{seq} writes into cached block {block}"
+        self.kv[(block, pos % bs)] = (seq.seq_id, pos, tok)
         self.writes[(seq.seq_id, pos)] = self.writes.get((seq.seq_id, pos), 0) + 1
 
     def check_all_done(self) -> None:

@@ -68,6 +68,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "run plainly); default: on with CUDA",
     )
     g.add_argument(
+        "--prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the KV cache blocks of computed prompts and reuse them for later requests "
+        "that start with the same tokens (default: on)",
+    )
+    g.add_argument(
         "--pdl-chain",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -111,6 +111,8 @@ class AsyncLLM:
             waiting=scheduler.num_waiting,
             kv_usage=engine.block_manager.usage(),
             preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
             unfinished=len(engine.requests),
             gpu_memory=self.device_memory(),
         )

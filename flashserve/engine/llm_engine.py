@@ -66,7 +66,10 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.prompts = PromptChecker(self.tokenizer, loaded.config.vocab_size, self.max_model_len)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, self.config.block_size, window=loaded.config.kv_window
+            self.runner.num_blocks,
+            self.config.block_size,
+            window=loaded.config.kv_window,
+            prefix_caching=self.config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.pipeline = StepPipeline(self.config, self.scheduler, self.runner)
@@ -222,6 +225,7 @@ class LLMEngine:
             seed=seq.params.seed,
             prompt_token_ids=seq.prompt_token_ids,
             held_back=0 if finished else req.stops.held_back,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
 

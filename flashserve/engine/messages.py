@@ -69,6 +69,7 @@ class WireOutput(msgspec.Struct, array_like=True, gc=False):
     seed: int | None
     error: str | None
     held_back: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
@@ -76,7 +77,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
 
     ``time``: the core's ``time.monotonic()`` when it took them (its heartbeat; Linux's
     CLOCK_MONOTONIC is one clock for every process). ``gpu_memory``: (allocated, reserved)
-    bytes of torch's caching allocator on the engine's device; None on a CPU."""
+    bytes of torch's caching allocator on the engine's device; None on a CPU.
+    ``prefix_cache_queries`` / ``prefix_cache_hits``: counters since start, in tokens, of what
+    admitted sequences looked up in the prefix cache and found there (0 with caching off)."""
 
     time: float
     running: int
@@ -85,6 +88,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     preemptions: int
     unfinished: int  # requests the engine holds (running, waiting, or between the two)
     gpu_memory: tuple[int, int] | None = None
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class StepMessage(msgspec.Struct, array_like=True, gc=False):
@@ -98,7 +103,8 @@ def to_wire(out: RequestOutput, sent_chars: int) -> WireOutput:
     tokens = [WireToken(t.id, t.text, t.logprob, t.special, t.top_logprobs)
               for t in out.new_tokens]  # fmt: skip
     return WireOutput(out.request_id, tokens, out.finished, out.finish_reason, text,
-                      out.num_generated_tokens, out.seed, out.error, out.held_back)  # fmt: skip
+                      out.num_generated_tokens, out.seed, out.error, out.held_back,
+                      out.num_cached_tokens)  # fmt: skip
 
 
 def from_wire(w: WireOutput, text: str, prompt_token_ids: list[int]) -> RequestOutput:
@@ -116,6 +122,7 @@ def from_wire(w: WireOutput, text: str, prompt_token_ids: list[int]) -> RequestO
         prompt_token_ids=prompt_token_ids,
         error=w.error,
         held_back=w.held_back,
+        num_cached_tokens=w.num_cached_tokens,
     )
 
 

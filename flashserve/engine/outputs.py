@@ -33,6 +33,9 @@ class RequestOutput:
     # trailing characters of generated_text that could still begin a stop string (0 once
     # finished): a stream holds them back until a later output tells
     held_back: int = 0
+    # prompt tokens whose KV came from the prefix cache at the request's admission (not
+    # computed); 0 until it is admitted
+    num_cached_tokens: int = 0
 
 
 @dataclass

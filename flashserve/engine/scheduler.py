@@ -21,6 +21,14 @@ blocks that fell wholly left of each sequence's window, so a sequence holds O(wi
 (``peak_blocks``: the window plus one step's tokens) and every count here (admission, growth,
 preemption, look-ahead) is of the blocks it holds; a sequence longer than the pool runs.
 
+With prefix caching (``BlockManager.prefix_caching``) a waiting sequence starts on the longest
+run of cached blocks at the start of its tokens (``BlockManager.match``), its computed counter
+past them, so it computes only the rest through the same rule; admission counts only the blocks
+it takes from the free ones. ``update`` keys the blocks a step filled. A preempted sequence
+frees its blocks, which stay cached, and its recompute reuses what is still there.
+``prefix_cache_queries`` and ``prefix_cache_hits`` count, in tokens, what admissions looked up
+and found.
+
 A sequence that needs more blocks at once than the whole pool holds can never run. ``schedule()``
 finishes it with reason ``"error"``, sets ``seq.error`` and lists it in
 ``SchedulerOutput.errored`` rather than raising, so one bad request cannot stop the others.
@@ -109,6 +117,9 @@ class Scheduler:
         self._running: list[Sequence] = []  # arrival order: the newest is last
         self._live: dict[int, Sequence] = {}  # seq_id -> every unfinished sequence
         self.num_preemptions = 0  # since start, for metrics and tests
+        # since start, in tokens: what admissions looked up in the prefix cache, what they found
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---- views ---------------------------------------------------------------------------
 
@@ -186,6 +197,7 @@ class Scheduler:
                 seq.num_computed_tokens += seq.num_scheduled_tokens
                 seq.num_scheduled_tokens = 0
             if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
                 self.block_manager.release(seq)
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
@@ -250,16 +262,25 @@ class Scheduler:
             seq = self._waiting[0]
             if self._never_fits(seq, step):
                 continue
-            n = min(seq.num_uncomputed_tokens, step.budget)
-            if not self.block_manager.can_allocate(seq, n):
+            bm = self.block_manager
+            hits = bm.match(seq)
+            cached = len(hits) * bm.block_size
+            n = min(seq.num_tokens - cached, step.budget)
+            if bm.blocks_to_admit(hits, n) > bm.num_free_blocks:
                 return  # FCFS: nobody overtakes the head of the queue
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
+            bm.admit(seq, hits, n)
+            if bm.prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += cached
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = cached
             self._commit(seq, n, step)
 
     def _commit(self, seq: Sequence, n: int, step: _Step) -> None:
-        self.block_manager.allocate(seq, n)
+        self.block_manager.allocate(seq, n)  # a no-op after admit
         seq.num_scheduled_tokens = n
         step.budget -= n
         step.scheduled.append(seq)

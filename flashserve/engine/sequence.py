@@ -59,6 +59,12 @@ class Sequence:
         # Their ids stay, so that entry i still covers positions i*BS .. i*BS+BS-1, but this
         # sequence no longer owns them; attention reads from the window's first block on
         self.num_released_blocks = 0
+        # prefix caching: the keys of the full blocks of its tokens so far hashed (a cache,
+        # ``BlockManager.keys``), how many leading table entries the block manager has keyed
+        # or found keyed, and how many prompt tokens its first admission found cached
+        self.block_keys: list[bytes] = []
+        self.num_keyed_blocks = 0
+        self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error"
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
