@@ -37,7 +37,7 @@ WORKLOADS = ("random", "shared-prefix", "multi-turn")
 SHARED = {"documents": 8, "document_len": 16384, "questions": 64, "question_len": 64}
 CHAT = {"conversations": 8, "turns": 4, "turn_len": 128}
 
-SendOne = Callable[[str, RequestRecord], Awaitable[RequestRecord]]
+SendOne = Callable[[str, "RequestRecord"], Awaitable["RequestRecord"]]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
