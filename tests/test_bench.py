@@ -461,3 +461,146 @@ def test_metrics_sampler_does_not_reuse_a_connection_the_server_may_be_closing()
         listener.close()
     assert m["scrapes"] >= 4 and m["failed_scrapes"] == 0, m["error"]
     assert {s["running"] for s in m["samples"]} == {3.0}
+
+
+# ---- bench serve: workloads that reuse context ---------------------------------------------
+
+
+def _capture_sends(monkeypatch) -> list[tuple[str, object]]:
+    """(prompt, record) of every request bench serve sends, in the order sent; the record is
+    the one the run fills (answer text, times)."""
+    from flashserve.bench import client
+
+    sent, real_send = [], client.send
+
+    async def send(http, url, api, prompt, rec, model=None):
+        sent.append((prompt, rec))
+        return await real_send(http, url, api, prompt, rec, model)
+
+    monkeypatch.setattr(client, "send", send)
+    return sent
+
+
+def test_extend_prompt_keeps_the_prefix_tokens_and_adds_the_asked_count():
+    from flashserve.bench.prompts import extend_prompt
+    from flashserve.loaders.load import DEFAULT_FILE
+
+    for spec in ("dummy:tiny", DEFAULT_FILE.removesuffix(".gguf")):  # byte-level, GGUF BPE
+        tok, rng = load_tokenizer(spec), random.Random(5)
+        prefix = make_prompt(rng.randint(50, 400), rng, tok)
+        base = tok.encode(prefix)
+        for n in (1, 3, 64, 301):
+            suffix, count = extend_prompt(prefix, n, rng, tok)
+            ids = tok.encode(prefix + suffix)
+            assert (len(ids), count) == (len(base) + n, len(base) + n), (spec, n)
+            assert ids[: len(base)] == base, (spec, n)
+
+
+def test_bench_serve_shared_prefix(url, tmp_path, monkeypatch, capsys):
+    sent = _capture_sends(monkeypatch)
+    docs, doc_len, questions, q_len = 3, 150, 8, 12
+    res = _serve(url, tmp_path, "--workload", "shared-prefix", "--documents", str(docs),
+                 "--document-len", str(doc_len), "--questions", str(questions), "--question-len",
+                 str(q_len), "--output-len", "4", "--concurrency", "3")  # fmt: skip
+    s = res["summary"]
+    assert (s["requests"], s["completed"], s["failed"]) == (questions, questions, 0)
+    assert res["workload"] == {
+        "name": "shared-prefix", "documents": docs, "document_len": doc_len,
+        "questions": questions, "question_len": q_len, "prompt_len": doc_len + q_len,
+        "output_len": 4, "output_len_range": 0.0, "ttft_ms": res["workload"]["ttft_ms"],
+    }  # fmt: skip
+    split = res["workload"]["ttft_ms"]
+    assert (split["cold"]["requests"], split["reused"]["requests"]) == (docs, questions - docs)
+    assert all(_ordered(d) and d["p50"] > 0 for d in split.values())
+    _check_latencies(res)
+
+    tok = load_tokenizer("dummy:tiny")
+    assert len(sent) == questions
+    # documents interleave: question j asks about document j mod K, in the order sent
+    assert [rec.tags["document"] for _, rec in sent] == [j % docs for j in range(questions)]
+    ids = [tok.encode(prompt) for prompt, _ in sent]
+    assert all(len(x) == doc_len + q_len for x in ids)
+    for d in range(docs):
+        mine = [x for j, x in enumerate(ids) if j % docs == d]
+        assert all(x[:doc_len] == mine[0][:doc_len] for x in mine)  # one document, token-exact
+        assert len({tuple(x[doc_len:]) for x in mine}) == len(mine)  # different questions
+    assert len({tuple(x[:doc_len]) for x in ids}) == docs  # different documents
+    for r in res["requests"]:  # the server counts what was asked
+        assert r["prompt_tokens"] == r["input_len"] == doc_len + q_len
+        assert r["tags"]["cold"] == (r["tags"]["question"] < docs)
+    out = capsys.readouterr().out
+    assert "workload shared-prefix: documents 3" in out and "reused (5 requests)" in out
+
+
+@pytest.mark.parametrize("api", ["tgi", "openai"])
+def test_bench_serve_multi_turn(url, tmp_path, monkeypatch, api):
+    if api == "openai" and httpx.get(f"{url}/v1/models").status_code != 200:
+        pytest.skip("this server has no OpenAI routes")
+    sent = _capture_sends(monkeypatch)
+    chats, turns, first, turn_len = 3, 3, 30, 10
+    res = _serve(url, tmp_path, "--api", api, "--workload", "multi-turn",
+                 "--conversations", str(chats), "--turns", str(turns), "--input-len", str(first),
+                 "--turn-len", str(turn_len), "--output-len", "5")  # fmt: skip
+    s = res["summary"]
+    assert (s["requests"], s["completed"], s["failed"]) == (chats * turns, chats * turns, 0)
+    w = res["workload"]
+    assert (w["name"], w["conversations"], w["turns"], w["turn_len"], w["first_len"]) == (
+        "multi-turn", chats, turns, turn_len, first)  # fmt: skip
+    assert (w["ttft_ms"]["cold"]["requests"], w["ttft_ms"]["reused"]["requests"]) == (3, 6)
+    assert res["config"]["concurrency"] == chats  # every chat may have a turn in flight
+    _check_latencies(res)
+
+    tok = load_tokenizer("dummy:tiny")
+    assert len(sent) == chats * turns
+    for c in range(chats):
+        mine = [(p, rec) for p, rec in sent if rec.tags["conversation"] == c]
+        assert [rec.tags["turn"] for _, rec in mine] == list(range(turns))
+        assert len(tok.encode(mine[0][0])) == first
+        for (prev, prev_rec), (prompt, rec) in zip(mine, mine[1:]):
+            assert rec.start >= prev_rec.end  # a turn waits for the answer before it
+            assert prev_rec.text  # the answer, which the next turn resends
+            history = prev + prev_rec.text
+            assert prompt.startswith(history)
+            h, ids = tok.encode(history), tok.encode(prompt)
+            assert ids[: len(h)] == h and len(ids) == len(h) + turn_len
+            assert rec.input_len == len(ids)
+    for r in res["requests"]:
+        assert r["prompt_tokens"] == r["input_len"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--documents", "3"], "--documents do(es) not apply to --workload random"),
+        (["--workload", "multi-turn", "--question-len", "8"], "--question-len do(es) not apply"),
+        (["--workload", "multi-turn", "--request-rate", "2"], "--request-rate does not apply"),
+        (["--workload", "shared-prefix", "--num-requests", "5"], "--num-requests does not"),
+        (["--workload", "shared-prefix", "--duration", "5"], "--duration does not apply"),
+        (["--workload", "shared-prefix", "--documents", "0"], "--documents must be >= 1"),
+    ],
+)
+def test_bench_serve_workload_flags_are_checked(flags, message, capsys):
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bench_serve_counts_cached_tokens_when_the_server_reports_them():
+    from flashserve.bench.client import RequestRecord, _openai_event
+    from flashserve.bench.serve_stats import summarize
+
+    recs = [RequestRecord(100, 2), RequestRecord(100, 2)]
+    for rec, cached in zip(recs, (0, 96)):
+        rec.start, rec.end = 0.0, 0.5
+        for t, text in ((0.1, "a"), (0.2, "b")):
+            _openai_event({"choices": [{"text": text, "finish_reason": None}]}, rec, t)
+        usage = {"prompt_tokens": 100, "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        _openai_event({"choices": [], "usage": usage}, rec, 0.3)
+        assert rec.text == "ab" and rec.cached_tokens == cached
+    stats = summarize(recs, 1.0, 0)
+    assert stats["summary"]["cached_tokens"] == 96
+    assert [r["cached_tokens"] for r in stats["requests"]] == [0, 96]
+    rec = RequestRecord(10, 1)
+    _openai_event({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 1}}, rec, 0)
+    assert summarize([rec], 1.0, 0)["summary"]["cached_tokens"] is None

@@ -28,6 +28,9 @@ class RequestRecord:
     prompt_tokens: int | None = None  # as the server counted them, when it says
     output_tokens: int = 0
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache
+    text: str = ""  # the generated text (a chat's next turn resends it)
+    tags: dict[str, Any] = field(default_factory=dict)  # workload's labels: document, turn...
 
     @property
     def ok(self) -> bool:
@@ -96,6 +99,9 @@ def _tgi_event(event: dict[str, Any], rec: RequestRecord, now: float) -> None:
     if event.get("token") is not None:
         rec.token_times.append(now)
         rec.output_tokens += 1
+        rec.text += event["token"].get("text") or ""
+    if event.get("generated_text") is not None:  # the last event: the whole text, decoded once
+        rec.text = event["generated_text"]
     details = event.get("details")
     if details:
         rec.finish_reason = details.get("finish_reason")
@@ -108,9 +114,11 @@ def _openai_event(event: dict[str, Any], rec: RequestRecord, now: float) -> None
     if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
         rec.token_times.append(now)
         rec.output_tokens += 1
+        rec.text += choices[0].get("text") or ""
     if choices and choices[0].get("finish_reason"):
         rec.finish_reason = choices[0]["finish_reason"]
     usage = event.get("usage")
     if usage:
         rec.prompt_tokens = usage.get("prompt_tokens")
         rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
+        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")

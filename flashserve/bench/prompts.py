@@ -2,6 +2,9 @@
 
 With a tokenizer (the server's, loaded locally) a prompt has the asked number of tokens as
 that tokenizer counts them; without one its length is estimated at 1.3 tokens per word.
+``extend_prompt`` sizes text appended to a prompt the same way (a question after a document,
+the next turn of a chat), keeping the prompt's own tokens as they were, so that a server sees
+the longer prompt start with exactly the tokens of the shorter one.
 """
 
 from __future__ import annotations
@@ -72,6 +75,39 @@ def make_prompt(tokens: int, rng: random.Random, tokenizer: TokenizerLike | None
         ids = tokenizer.encode(_words(words, rng), add_special_tokens=False)
         words *= 2
     return tokenizer.decode(ids[:want])
+
+
+def extend_prompt(
+    prefix: str, tokens: int, rng: random.Random, tokenizer: TokenizerLike | None,
+    tries: int = 8,
+) -> tuple[str, int]:  # fmt: skip
+    """(text to append to ``prefix``, tokens of ``prefix`` + that text with special tokens):
+    a space and random words adding ``tokens`` tokens to ``prefix`` as ``tokenizer`` counts
+    them, whose start leaves the tokens of ``prefix`` unchanged (a tokenizer could merge
+    across the seam; a space is a pre-tokenizer split in the BPE and SentencePiece vocabularies
+    seen here, and a candidate that still changes them is drawn again, up to ``tries`` times;
+    the last one is kept, its count exact). Without a tokenizer the count is estimated."""
+    if tokenizer is None:
+        words = max(1, round(tokens / TOKENS_PER_WORD))
+        return " " + _words(words, rng), round((len(prefix.split()) + words) * TOKENS_PER_WORD)
+    special = len(tokenizer.encode("a")) - len(tokenizer.encode("a", add_special_tokens=False))
+    base = tokenizer.encode(prefix, add_special_tokens=False)
+    n, want = len(base), len(base) + max(1, tokens)
+    words, suffix, ids = max(8, tokens), "", base
+    for _ in range(tries):
+        ids = tokenizer.encode(prefix + " " + _words(words, rng), add_special_tokens=False)
+        while len(ids) < want:  # too few words: draw twice as many
+            words *= 2
+            ids = tokenizer.encode(prefix + " " + _words(words, rng), add_special_tokens=False)
+        text = tokenizer.decode(ids[:want])
+        if text.startswith(prefix):
+            suffix = text[len(prefix) :]
+        else:  # a decoder that does not give ``prefix`` back (normalized spaces)
+            suffix = " " + tokenizer.decode(ids[n:want])
+        ids = tokenizer.encode(prefix + suffix, add_special_tokens=False)
+        if len(ids) == want and ids[:n] == base:  # decoding and encoding again round-trips
+            break
+    return suffix, len(ids) + special
 
 
 def _words(n: int, rng: random.Random) -> str:

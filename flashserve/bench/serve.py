@@ -8,6 +8,8 @@ N tokens, then ``--output-len`` generated tokens. Requests go only to ``--url``,
 is bounded by ``--num-requests`` and ``--max-duration``; with ``--duration`` requests are sent
 for that long instead of counted (soak runs). ``--sample-metrics`` records the server's memory
 and load from its /metrics over the run (``flashserve/bench/server_metrics.py``).
+``--workload shared-prefix`` and ``--workload multi-turn`` send prompts that reuse context
+(``flashserve/bench/workloads.py``), to compare prefix caching on and off.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import datetime
 import random
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import flashserve
+from flashserve.bench import workloads
 from flashserve.bench.prompts import TokenizerLike, load_tokenizer, make_prompt, sample_lengths
 from flashserve.bench.report import Counter, require_matplotlib, write_json
 from flashserve.cli import args as cli
@@ -88,6 +91,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write every result to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="plot latency CDFs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    workloads.add_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,12 +101,14 @@ def run(args: argparse.Namespace) -> int:
     if args.api == "openai" and args.model is None:
         args.model = _get_json(args.url, "/v1/models", lambda d: d["data"][0]["id"])
     tokenizer, tok_source = _tokenizer(args)
-    specs: Iterable[tuple[str, RequestRecord]] = _request_specs(args, tokenizer)
-    if args.duration is None:
-        specs = list(specs)  # made before the clock starts
-    records, duration, cancelled, sampler = asyncio.run(_load(args, specs))
+    launch = _launcher(args, tokenizer)  # prompts made before the clock starts
+    records, duration, cancelled, sampler = asyncio.run(_load(args, launch))
     from flashserve.bench.serve_stats import format_report, summarize
 
+    stats = summarize(records, duration, cancelled)
+    workload = workloads.describe(args)
+    if split := workloads.reuse_latency(stats["requests"]):
+        workload["ttft_ms"] = split
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "run"},
         "meta": {
@@ -111,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
             "server_info": _get_json(args.url, "/info", lambda d: d),  # TGI's /info
         },
         "tokenizer": tok_source,
-        **summarize(records, duration, cancelled),
+        "workload": workload,
+        **stats,
     }
     if sampler is not None:
         result["server_metrics"] = sampler.result(duration)
@@ -126,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _defaults(args: argparse.Namespace) -> None:
+    workloads.check(args)
     depth = args.depth is not None
     if depth:
         args.input_len, args.input_len_range = args.depth, 0.0
@@ -176,6 +184,24 @@ def _get_json(url: str, route: str, pick) -> str | None:
         return None
 
 
+Launch = Callable[[Callable[..., Awaitable[Any]], float], Awaitable[list[asyncio.Task]]]
+
+
+def _launcher(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> Launch:
+    """``launch(one, stop)``: starts the workload's requests, each through ``one(prompt,
+    record)``, until they or the time (``stop``) run out; returns the tasks started."""
+    if args.workload == "multi-turn":
+        starts = workloads.conversation_starts(args, tokenizer)
+        return lambda one, stop: workloads.launch_conversations(args, tokenizer, starts, one, stop)
+    if args.workload == "shared-prefix":
+        specs: Iterable[tuple[str, RequestRecord]] = workloads.shared_prefix_specs(args, tokenizer)
+    else:
+        specs = _request_specs(args, tokenizer)
+        if args.duration is None:
+            specs = list(specs)
+    return lambda one, stop: _launch(args, specs, one, stop)
+
+
 def _request_specs(args, tokenizer) -> Iterator[tuple[str, RequestRecord]]:
     """(prompt, record) of each request: --num-requests of them, or no end with --duration
     (drawn 256 at a time)."""
@@ -193,11 +219,12 @@ def _request_specs(args, tokenizer) -> Iterator[tuple[str, RequestRecord]]:
 
 
 async def _load(
-    args, specs: Iterable[tuple[str, RequestRecord]]
+    args, launch: Launch
 ) -> tuple[list[RequestRecord], float, int, MetricsSampler | None]:
-    """Send the requests (paced by the arrival process) until they or --duration run out, and
-    wait for those in flight; (finished records, seconds taken, requests cancelled or never
-    sent when --max-duration ran out, the /metrics sampler if any)."""
+    """Send the requests (paced by the arrival process, or a chat's turns) until they or
+    --duration run out, and wait for those in flight; (finished records in the order sent,
+    seconds taken, requests cancelled or never sent when --max-duration ran out, the /metrics
+    sampler if any)."""
     import httpx
 
     from flashserve.bench.client import send
@@ -210,20 +237,22 @@ async def _load(
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     sampler = MetricsSampler(args.url, args.sample_metrics) if args.sample_metrics else None
 
+    finished: list[RequestRecord] = []  # a task may send several (a chat's turns)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def one(prompt: str, rec: RequestRecord) -> RequestRecord:
             async with sem:
                 await send(client, args.url, args.api, prompt, rec, args.model)
+            finished.append(rec)
             counter.update()
             return rec
 
         start = time.perf_counter()
         if sampler is not None:
             sampler.start(start)
-        tasks = await _launch(args, specs, one, start + (args.duration or args.max_duration))
+        tasks = await launch(one, start + (args.duration or args.max_duration))
         left = max(0.0, start + args.max_duration - time.perf_counter())
-        done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
+        _, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -231,7 +260,7 @@ async def _load(
     counter.close()
     if sampler is not None:
         await sampler.stop()
-    records = [t.result() for t in tasks if t in done]
+    records = sorted(finished, key=lambda r: r.start)
     return records, duration, (args.num_requests or len(tasks)) - len(records), sampler
 
 

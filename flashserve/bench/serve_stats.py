@@ -28,6 +28,8 @@ def per_request(rec: RequestRecord) -> dict[str, Any]:
         "output_tokens": rec.output_tokens,
         "token_events": len(t),
         "finish_reason": rec.finish_reason,
+        "cached_tokens": rec.cached_tokens,
+        "tags": rec.tags,
         "ttft_ms": ttft,
         "tpot_ms": decode_s / (n - 1) * 1e3 if decode_s else None,
         "e2e_ms": (rec.end - rec.start) * 1e3,
@@ -59,6 +61,8 @@ def summarize(records: list[RequestRecord], duration_s: float, cancelled: int) -
         "duration_s": duration_s,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
+        # prompt tokens served from the server's prefix cache; None: the server does not say
+        "cached_tokens": _total(r["cached_tokens"] for r in good),
         "request_throughput": len(good) / duration_s,
         "output_token_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
@@ -72,6 +76,11 @@ def summarize(records: list[RequestRecord], duration_s: float, cancelled: int) -
         "samples_ms": {"ttft": latency["ttft"], "itl": itl, "e2e": latency["e2e"]},
         "requests": reqs,
     }
+
+
+def _total(values) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -96,6 +105,13 @@ def format_report(result: dict[str, Any]) -> str:
         f"{s['output_token_throughput']:.1f} output tokens/s, "
         f"{s['total_token_throughput']:.1f} total tokens/s",
     ]
+    if s["cached_tokens"] is not None:
+        share = s["cached_tokens"] / max(1, s["input_tokens"])
+        lines.append(f"prompt tokens from the server's cache: {s['cached_tokens']} ({share:.1%})")
+    if "workload" in result:
+        from flashserve.bench.workloads import format_workload
+
+        lines = [*format_workload(result["workload"]), *lines]
     if "server_metrics" in result:
         lines += _server_lines(result["server_metrics"])
     return "\n".join([*lines, verdict])
