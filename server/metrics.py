@@ -11,6 +11,12 @@
   the engine core process sends one with every step, and every 0.5 s while idle):
   ``flashserve_num_requests_running``, ``flashserve_num_requests_waiting``,
   ``flashserve_kv_cache_usage_ratio`` and ``flashserve_num_preemptions_total``;
+- the prefix cache, in tokens, since start (as vLLM's ``prefix_cache_queries``/``hits``):
+  ``flashserve_prefix_cache_queries_total`` (prompt tokens that admissions looked up),
+  ``flashserve_prefix_cache_hits_total`` (those found cached, not computed), and
+  ``flashserve_prefix_cache_hit_rate``, hits / queries since start (a dashboard's recent rate
+  is ``rate(hits) / rate(queries)``). With no query yet (or caching off) the hit rate is left
+  out: 0 of 0 is no rate;
 - memory, for soak runs: ``process_resident_memory_bytes`` and the other ``process_*`` series
   of prometheus_client's process collector (Linux only: it reads /proc), and when the engine
   runs on CUDA ``flashserve_gpu_memory_allocated_bytes`` and
@@ -101,6 +107,14 @@ class _EngineCollector:
                                 value=stats.kv_usage)  # fmt: skip
         yield CounterMetricFamily("flashserve_num_preemptions", "sequences preempted",
                                   value=stats.preemptions)  # fmt: skip
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        yield CounterMetricFamily("flashserve_prefix_cache_queries", "prompt tokens looked up "
+                                  "in the prefix cache", value=queries)  # fmt: skip
+        yield CounterMetricFamily("flashserve_prefix_cache_hits", "prompt tokens found in the "
+                                  "prefix cache", value=hits)  # fmt: skip
+        if queries:
+            yield GaugeMetricFamily("flashserve_prefix_cache_hit_rate", "prefix cache hits / "
+                                    "queries since start", value=hits / queries)  # fmt: skip
         if stats.gpu_memory is not None:
             allocated, reserved = stats.gpu_memory
             yield GaugeMetricFamily(

@@ -46,6 +46,7 @@ from server.openai_schemas import (
     ModelCard,
     ModelList,
     ParamError,
+    PromptTokensDetails,
     Usage,
 )
 from server.routing import STREAM, admit, collect, engine_of, unless_disconnected
@@ -117,7 +118,7 @@ async def completions(
         text = echoes[c.index // body.n] + last.generated_text
         out.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
                                     finish_reason=finish_reason(last)))  # fmt: skip
-    usage = _usage(prompt_tokens, [last for _, last in results])
+    usage = _usage(prompt_tokens, [last for _, last in results], body.n)
     return CompletionResponse(id=run.id, created=run.created, model=run.model, choices=out,
                               usage=usage)  # fmt: skip
 
@@ -148,7 +149,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> ChatResponse 
         )
         for k, (tokens, last) in enumerate(results)
     ]
-    usage = _usage(len(ids), [last for _, last in results])
+    usage = _usage(len(ids), [last for _, last in results], body.n)
     return ChatResponse(id=run.id, created=run.created, model=run.model, choices=choices,
                         usage=usage)  # fmt: skip
 
@@ -253,10 +254,19 @@ async def _finish(request: Request, run: _Run) -> list[tuple[list[TokenOutput], 
     return results
 
 
-def _usage(prompt_tokens: int, lasts: list[RequestOutput]) -> Usage:
+def _usage(prompt_tokens: int, lasts: list[RequestOutput], n: int) -> Usage:
+    """``lasts``: every choice's last output, in choice order, ``n`` choices per prompt.
+
+    A prompt counts once in ``prompt_tokens`` however many choices it has (OpenAI's rule), so
+    it counts once in ``cached_tokens`` too: the tokens that every one of its choices found in
+    the prefix cache (its choices are engine requests of their own, and a later one may find
+    what an earlier one computed), which keeps ``cached_tokens <= prompt_tokens``."""
     completion = sum(last.num_generated_tokens for last in lasts)
+    cached = sum(min(last.num_cached_tokens for last in lasts[i : i + n])
+                 for i in range(0, len(lasts), n))  # fmt: skip
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                 total_tokens=prompt_tokens + completion)  # fmt: skip
+                 total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))  # fmt: skip
 
 
 def _card(llm: EngineClient) -> ModelCard:
@@ -278,7 +288,7 @@ async def _completion_events(
     for c in choices:
         if echoes[c.index // body.n]:
             yield chunk(c.index, echoes[c.index // body.n])
-    async for index, out in _outputs(run, usage_object, prompt):
+    async for index, out in _outputs(run, usage_object, prompt, body.n):
         if isinstance(out, str):
             yield out
             continue
@@ -298,7 +308,7 @@ async def _chat_events(body: ChatRequest, run: _Run, prompt: int) -> AsyncIterat
     choices = [Choice(k) for k in range(body.n)]
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
-    async for index, out in _outputs(run, usage_object, prompt):
+    async for index, out in _outputs(run, usage_object, prompt, body.n):
         if isinstance(out, str):
             yield out
             continue
@@ -309,12 +319,12 @@ async def _chat_events(body: ChatRequest, run: _Run, prompt: int) -> AsyncIterat
 
 
 async def _outputs(
-    run: _Run, usage_object: str | None, prompt: int
+    run: _Run, usage_object: str | None, prompt: int, n: int
 ) -> AsyncIterator[tuple[int, RequestOutput | str]]:
     """Every choice's outputs as they come, then the usage chunk (a ``usage_object``, when
-    set) and ``[DONE]`` as ready SSE lines. An engine failure ends the stream with an error
-    event: once the 200 is out, that is the only way left to tell."""
-    lasts = []
+    set; ``n`` choices per prompt) and ``[DONE]`` as ready SSE lines. An engine failure ends
+    the stream with an error event: once the 200 is out, that is the only way left to tell."""
+    lasts: dict[int, RequestOutput] = {}  # choice -> its last output (they finish in any order)
     try:
         async with aclosing(merged(run.firsts, run.streams)) as outputs:
             async for index, out in outputs:
@@ -323,11 +333,11 @@ async def _outputs(
                                                         "generation"))  # fmt: skip
                     break
                 if out.finished:
-                    lasts.append(out)
+                    lasts[index] = out
                 yield index, out
             else:
                 if usage_object:
-                    usage = _usage(prompt, lasts).model_dump()
+                    usage = _usage(prompt, [lasts[k] for k in sorted(lasts)], n).model_dump()
                     chunk = {"id": run.id, "object": usage_object, "created": run.created,
                              "model": run.model, "choices": [], "usage": usage}  # fmt: skip
                     yield -1, _sse(chunk)

@@ -125,6 +125,8 @@ class Details(BaseModel):
     seed: int | None
     prefill: list[Token] = Field(default_factory=list)
     tokens: list[Token]
+    # not TGI's: prompt tokens whose KV came from the prefix cache (TGI clients ignore it)
+    cached_tokens: int = 0
 
 
 class GenerateResponse(BaseModel):
@@ -146,6 +148,7 @@ class StreamDetails(BaseModel):
     generated_tokens: int
     seed: int | None
     input_length: int
+    cached_tokens: int = 0  # not TGI's, as in ``Details``
 
 
 class StreamResponse(BaseModel):
@@ -169,6 +172,7 @@ class Info(BaseModel):
     max_input_tokens: int
     max_total_tokens: int
     router: str = "flashserve"
+    prefix_caching: bool  # not TGI's: whether computed prompt prefixes are kept and reused
     version: str
     sha: str | None = None
     docker_label: str | None = None

@@ -44,6 +44,7 @@ async def info(request: Request) -> Info:
         max_batch_size=llm.config.max_num_seqs,
         max_input_tokens=llm.max_model_len - 1,
         max_total_tokens=llm.max_model_len,
+        prefix_caching=llm.config.enable_prefix_caching,
         version=flashserve.__version__,
     )
 
@@ -68,6 +69,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         generated_tokens=last.num_generated_tokens,
         seed=last.seed if body.parameters.sampling else None,
         tokens=[_token(t) for t in tokens],
+        cached_tokens=last.num_cached_tokens,
     )
     return GenerateResponse(generated_text=text, details=details)
 
@@ -200,6 +202,7 @@ def _stream_event(
             generated_tokens=final.num_generated_tokens,
             seed=final.seed if body.parameters.sampling else None,
             input_length=final.num_prompt_tokens,
+            cached_tokens=final.num_cached_tokens,
         )
     return event
 
