@@ -262,9 +262,9 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
 def _llm(caching: bool, **kwargs) -> LLM:
-    given = {"max_num_seqs": 8, "max_kv_tokens": 4096, "async_scheduling": False, **kwargs}
-    return LLM(EngineConfig(model="dummy:tiny", device="cpu", dtype="float32",
-                            attention_backend="torch", enable_prefix_caching=caching,
+    given = {"max_num_seqs": 8, "max_kv_tokens": 4096, "async_scheduling": False,
+             "device": "cpu", "attention_backend": "torch", **kwargs}  # fmt: skip
+    return LLM(EngineConfig(model="dummy:tiny", dtype="float32", enable_prefix_caching=caching,
                             **given))  # fmt: skip
 
 
@@ -288,12 +288,24 @@ def _run(llm: LLM, waves) -> list[tuple[list[int], list[float]]]:
     return out
 
 
+OVERRIDES = {"plain": {}, "chunked": {"max_num_batched_tokens": 16},
+             "preempting": {"max_kv_tokens": 288, "block_size": 16},
+             "async": {"async_scheduling": True},
+             "small-blocks": {"block_size": 4, "max_num_batched_tokens": 24}}  # fmt: skip
+# on CUDA: the Triton kernels (float32: the same greedy tokens as the torch backend would give),
+# eager and under CUDA graphs, async scheduling as on a GPU server
+CUDA = {"device": "cuda", "attention_backend": "triton"}
+GPU_CASES = [
+    pytest.param({**CUDA, **o, "enforce_eager": eager}, id=f"cuda-{name}-{mode}",
+                 marks=pytest.mark.gpu)
+    for name, o in OVERRIDES.items() for eager, mode in ((True, "eager"), (False, "graphs"))
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"max_num_batched_tokens": 16}, {"max_kv_tokens": 288, "block_size": 16},
-     {"async_scheduling": True}, {"block_size": 4, "max_num_batched_tokens": 24}],
-    ids=["plain", "chunked", "preempting", "async", "small-blocks"],
-)  # fmt: skip
+    [pytest.param(o, id=name) for name, o in OVERRIDES.items()] + GPU_CASES,
+)
 def test_engine_greedy_same_with_caching_on_and_off(overrides) -> None:
     waves = _waves()
     want = _run(_llm(False, **overrides), waves)

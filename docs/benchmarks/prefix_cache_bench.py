@@ -11,6 +11,7 @@ first token is the time from sending the request to the first SSE chunk that car
 One untimed short request warms each server up; medians over the rounds.
 
     python docs/benchmarks/prefix_cache_bench.py [--prefix 3000] [--rounds 5] [--json FILE]
+        [--server-args "--model dummy:llama3.1-8b --max-model-len 140000"] [--caching on,off]
 
 Results: docs/benchmarks/prefix-cache.md. Not a test: nothing here gates CI.
 """
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -53,53 +55,67 @@ def ttft(client: httpx.Client, ids: list[int]) -> tuple[float, dict]:
     return first, usage
 
 
-def run(url: str, prefix: int, suffix: int, rounds: int, seed: int) -> list[dict]:
+def run(url: str, prefixes: list[int], suffix: int, rounds: int, seed: int, warmup: int
+        ) -> list[dict]:  # fmt: skip
     rng = random.Random(seed)
     rows = []
     with httpx.Client(base_url=url, timeout=600) as client:
-        ttft(client, [rng.randrange(LOW, HIGH) for _ in range(8)])  # warm-up, untimed
-        for k in range(rounds):
-            shared = [rng.randrange(LOW, HIGH) for _ in range(prefix)]
-            q1, q2 = ([rng.randrange(LOW, HIGH) for _ in range(suffix)] for _ in range(2))
-            t1, u1 = ttft(client, shared + q1)
-            t2, u2 = ttft(client, shared + q2)
-            cached = [u.get("prompt_tokens_details", {}).get("cached_tokens") for u in (u1, u2)]
-            rows.append({"round": k, "first_s": t1, "second_s": t2, "ratio": t2 / t1,
-                         "prompt_tokens": u1.get("prompt_tokens"),
-                         "cached_tokens": cached})  # fmt: skip
-            print(f"  round {k}: first {t1:.3f} s, second {t2:.3f} s, ratio {t2 / t1:.3f}, "
-                  f"cached {cached}", flush=True)  # fmt: skip
+        ttft(client, [rng.randrange(LOW, HIGH) for _ in range(warmup)])  # warm-up, untimed
+        for prefix in prefixes:
+            for k in range(rounds):
+                shared = [rng.randrange(LOW, HIGH) for _ in range(prefix)]
+                q1, q2 = ([rng.randrange(LOW, HIGH) for _ in range(suffix)] for _ in range(2))
+                t1, u1 = ttft(client, shared + q1)
+                t2, u2 = ttft(client, shared + q2)
+                cached = [u.get("prompt_tokens_details", {}).get("cached_tokens")
+                          for u in (u1, u2)]  # fmt: skip
+                rows.append({"prefix": prefix, "round": k, "first_s": t1, "second_s": t2,
+                             "ratio": t2 / t1, "prompt_tokens": u1.get("prompt_tokens"),
+                             "cached_tokens": cached})  # fmt: skip
+                print(f"  prefix {prefix} round {k}: first {t1:.3f} s, second {t2:.3f} s, "
+                      f"ratio {t2 / t1:.3f}, cached {cached}", flush=True)  # fmt: skip
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefix", type=int, default=3000, help="shared prefix tokens")
+    parser.add_argument("--prefix", default="3000", help="shared prefix tokens (a,b,...: each)")
     parser.add_argument("--suffix", type=int, default=16, help="question tokens after it")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=8, help="tokens of the untimed request")
     parser.add_argument("--json", metavar="FILE", help="write every result to FILE")
+    parser.add_argument("--server-args", default="", help="more `serve` options, one string")
+    parser.add_argument("--caching", default="on,off", help="the servers to run: on, off or both")
+    parser.add_argument("--ready-timeout", type=float, default=300, help="seconds to /health 200")
     args = parser.parse_args()
+    prefixes = [int(x) for x in args.prefix.split(",")]
     os.environ["PYTHONPATH"] = str(ROOT)  # the server process imports this checkout
     results = {}
-    for label, flags in (("on", ()), ("off", ("--no-prefix-caching",))):
+    servers = {"on": (), "off": ("--no-prefix-caching",)}
+    for label in args.caching.split(","):
+        flags = (*servers[label], *shlex.split(args.server_args))
         load = os.getloadavg()
         print(f"prefix caching {label} (load average {load[0]:.2f})", flush=True)
-        with server_process(*flags, timeout=300) as url:
-            rows = run(url, args.prefix, args.suffix, args.rounds, args.seed)
-        results[label] = {
-            "rows": rows,
-            "load_before": load,
-            "load_after": os.getloadavg(),
-            "median_first_s": statistics.median(r["first_s"] for r in rows),
-            "median_second_s": statistics.median(r["second_s"] for r in rows),
-            "median_ratio": statistics.median(r["ratio"] for r in rows),
-        }
-    print("\n| caching | first request TTFT | second request TTFT | ratio (median) |")
-    print("|---|---|---|---|")
+        with server_process(*flags, timeout=args.ready_timeout) as url:
+            rows = run(url, prefixes, args.suffix, args.rounds, args.seed, args.warmup)
+        for prefix in prefixes:
+            mine = [r for r in rows if r["prefix"] == prefix]
+            key = label if len(prefixes) == 1 else f"{label}-{prefix}"
+            results[key] = {
+                "prefix": prefix,
+                "rows": mine,
+                "load_before": load,
+                "load_after": os.getloadavg(),
+                "median_first_s": statistics.median(r["first_s"] for r in mine),
+                "median_second_s": statistics.median(r["second_s"] for r in mine),
+                "median_ratio": statistics.median(r["ratio"] for r in mine),
+            }
+    print("\n| caching | prefix | first request TTFT | second request TTFT | ratio (median) |")
+    print("|---|---|---|---|---|")
     for label, res in results.items():
-        print(f"| {label} | {res['median_first_s']:.3f} s | {res['median_second_s']:.3f} s | "
-              f"{res['median_ratio']:.3f} |")  # fmt: skip
+        print(f"| {label} | {res['prefix']} | {res['median_first_s']:.3f} s | "
+              f"{res['median_second_s']:.3f} s | {res['median_ratio']:.3f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
