@@ -331,12 +331,12 @@ class DecodeTuning:
     # Stage 1's (BLOCK_N, num_warps, num_stages) for every call; None: decode_config's rule,
     # with stages_for taking one stage off short splits.
     tiles: tuple[int, int, int] | None = None
-    # decode_config's tiles for head dims over 128 (Gemma 2/3: 256). A 32 x 256 K or V tile
-    # is as many bytes as the 64 x 128 tile of head dim 128, so (32, 4, 4) keeps that
-    # pipeline's 3 tiles in flight in the same shared memory (3 x 32 KB + q: 2 programs per
-    # SM). Compile report (sm_90, Triton 3.9): docs/benchmarks/kernels-notes.md; not yet
-    # timed against (64, 4, 3) or 8 warps.
-    wide_tiles: tuple[int, int, int] = (32, 4, 4)
+    # decode_config's tiles for head dims over 128 (Gemma 2/3: 256), never given a stage
+    # fewer by stages_for. H100, B=1, 16/8 heads of 256, µs (kernels-notes.md, 2026-11-24):
+    # (64, 4, 3) 17.2-17.4 at 4K, 96.0 at 32K, 9.0 over a 1,024-token window; (32, 4, 4)
+    # 18.2-20.2 / 96.5 / 13.0 (at 256-token splits); (64, 4, 2) 14.7 over the window at
+    # 256-token splits, (64, 8, 3) and (32, 8, 3) 1-20% slower, (16, 4, *) up to 45%.
+    wide_tiles: tuple[int, int, int] = (64, 4, 3)
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
     # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
@@ -345,6 +345,10 @@ class DecodeTuning:
     # Tokens per split at least (4 tiles; the heuristic only): B=1/4K, (64, 4, 3): 16 splits
     # of 256 tokens 11.8 µs, 32 of 128 12.3, 64 of 64 15.8.
     min_split_tokens: int = 256
+    # The same for head dims over 128: a 1,024-token window (Gemma 3's local layers), B=1,
+    # 16/8 heads of 256: 64-token splits 9.0 µs, 128 10.4, 256 12.0; global 4K and 32K level
+    # (17.4 / 95.7-96.0 at 64, 128 and 256).
+    wide_min_split_tokens: int = 64
     # stages_for: splits up to this many tokens run with one pipeline stage fewer.
     short_split_tokens: int = 4096
     max_splits: int = 256  # the heuristic's cap on splits per sequence
@@ -359,7 +363,8 @@ class DecodeTuning:
             _check_tiles(self.tiles)
         object.__setattr__(self, "wide_tiles", tuple(self.wide_tiles))
         _check_tiles(self.wide_tiles, "wide_tiles")
-        for name in ("programs_per_sm", "min_split_tokens", "max_splits"):
+        for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens",
+                     "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
         if self.short_split_tokens < 0:
@@ -441,13 +446,15 @@ def num_splits_for(
     block_n: int,
     per_sm: int,
     tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+    min_split_tokens: int | None = None,
 ) -> int:
     """Splits per sequence: the most that keep ``batch * num_kv_heads * splits`` stage-1
-    programs within ``per_sm`` per SM, no split under ``tuning.min_split_tokens``, at most
-    ``tuning.max_splits``, and every split the same whole number of tiles (none left empty by
-    rounding)."""
+    programs within ``per_sm`` per SM, no split under ``min_split_tokens`` (None:
+    ``tuning.min_split_tokens``), at most ``tuning.max_splits``, and every split the same whole
+    number of tiles (none left empty by rounding)."""
     want = max(1, per_sm * num_sms // (batch * num_kv_heads))
-    tiles = math.ceil(max_seq_len / max(tuning.min_split_tokens, block_n))
+    shortest = tuning.min_split_tokens if min_split_tokens is None else min_split_tokens
+    tiles = math.ceil(max_seq_len / max(shortest, block_n))
     per_split = math.ceil(tiles / min(want, tiles, tuning.max_splits))
     return max(1, math.ceil(tiles / per_split))
 
@@ -484,11 +491,13 @@ def plan_splits(
         return SplitPlan(max(1, math.ceil(span / split_size)), split_size, tiles)
     if num_splits is not None:  # split as asked
         return SplitPlan(max(1, int(num_splits)), block_n, tiles)
+    wide = head_dim > 128
+    shortest = tuning.wide_min_split_tokens if wide else tuning.min_split_tokens
     per_sm = programs_per_sm(tiles, head_dim, itemsize, tuning)
-    splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning)
+    splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning, shortest)
     # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
-    min_split = math.ceil(tuning.min_split_tokens / block_n) * block_n
-    if tuning.tiles is None:
+    min_split = math.ceil(shortest / block_n) * block_n
+    if tuning.tiles is None and not wide:  # wide tiles lose a third with a stage fewer
         tiles = stages_for(tiles, math.ceil(span / splits), tuning)
     return SplitPlan(splits, min_split, tiles)
 

@@ -132,10 +132,16 @@ def _linear_kernel(
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
 # CUDA-graph replay, Llama-3-8B shapes at M = 1, 8, 16, 28-42 configs per point.
 
-# M = 1, (BLOCK_N, BLOCK_K, num_warps, num_stages): (8, 1024, 4, 3) is within 1.5% of the best
-# config at every shape (qkv 19.4 us, o_proj 13.8, gate_up 78.2, down 41.0, lm_head 336; F.linear
-# 21.4, 16.8, 81.8, 44.5, 377); BLOCK_N 32 or 8 warps up to 40% slower.
+# M = 1, (BLOCK_N, BLOCK_K, num_warps, num_stages): (4, 2048, 4, 3) where K pads to a multiple
+# of 2048 by at most a tenth (_TILE_M1_LONG_PAD); else (8, 1024, 4, 3). H100, 2026-11-24,
+# medians of 3 alternated rounds, us, (4, 2048) vs (8, 1024): Llama-3-8B qkv 18.4 / 18.7,
+# o_proj 13.1 / 14.5, gate_up 76.4 / 77.8, down 40.4 / 45.4, lm_head 331.6 / 335.9; Qwen3-8B
+# o 13.2 / 14.7, down 35.3 / 39.5; Gemma-3-12B (K 3840) o 12.5 / 14.0, down 41.5 / 47.3; every
+# other shape within 1%; Phi-4 (K 5120, a 20% pad) qkv 28.8 / 27.9, o 20.5 / 20.0: the pad
+# costs there. BLOCK_N 32 or 8 warps up to 40% slower (the 2026-11-21 sweep).
 _TILE_M1 = (8, 1024, 4, 3)
+_TILE_M1_LONG = (4, 2048, 4, 3)
+_TILE_M1_LONG_PAD = 0.1
 # Under one 8-row tile per SM, 4-row tiles: qkv at tensor parallel 8 (768 rows) 4.5 us vs 4.9,
 # 256 rows x 14336 5.9 vs 6.1 (at 5 splits; 7.9 unsplit).
 _TILE_M1_NARROW = (4, 1024, 4, 4)
@@ -165,8 +171,11 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
 
 def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product."""
-    if m == 1:
-        tile = _TILE_M1 if triton.cdiv(n, _TILE_M1[0]) >= num_sms else _TILE_M1_NARROW
+    if m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
+        tile = _TILE_M1_NARROW
+    elif m == 1:
+        pad = triton.cdiv(k, _TILE_M1_LONG[1]) * _TILE_M1_LONG[1] - k
+        tile = _TILE_M1_LONG if pad <= _TILE_M1_LONG_PAD * k else _TILE_M1
     elif triton.cdiv(n, _TILE_DOT_WIDE[0]) >= _WIDE_TILES_PER_SM * num_sms:
         tile = _TILE_DOT_WIDE
     else:

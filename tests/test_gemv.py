@@ -116,6 +116,15 @@ def test_heuristic_configs():
             assert m == 1 or block_n >= 16
 
 
+def test_batch_one_takes_long_k_tiles_where_k_pads_little():
+    """M = 1: 2048-wide K tiles unless K pads to them by over a tenth (Phi-4's 5120)."""
+    assert gemv_config(1, 4096, 14336, 132)[:2] == (4, 2048)
+    assert gemv_config(1, 3840, 15360, 132)[:2] == (4, 2048)  # 15360 pads 6.7%
+    assert gemv_config(1, 8192, 3840, 132)[:2] == (4, 2048)  # 3840 pads 6.7%
+    assert gemv_config(1, 5120, 5120, 132)[:2] == (8, 1024)  # 5120 would pad 20%
+    assert gemv_config(1, 100, 4096, 132)[0] == 4  # narrow layers keep their own tiles
+
+
 # ---------------------------------------------------------------- errors
 
 

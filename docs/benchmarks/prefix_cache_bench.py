@@ -90,7 +90,10 @@ def main() -> None:
     parser.add_argument("--ready-timeout", type=float, default=300, help="seconds to /health 200")
     args = parser.parse_args()
     prefixes = [int(x) for x in args.prefix.split(",")]
-    os.environ["PYTHONPATH"] = str(ROOT)  # the server process imports this checkout
+    # the server process imports this checkout (ahead of whatever PYTHONPATH held)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+    )
     results = {}
     servers = {"on": (), "off": ("--no-prefix-caching",)}
     for label in args.caching.split(","):
