@@ -45,9 +45,11 @@ class BlockError(AssertionError):
     """
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, *args: object) -> None:
+    """Raise ``BlockError(message.format(*args))`` unless ``ok``: the message is formatted only
+    then (these checks run per block, and a sequence's repr costs more than the check)."""
     if not ok:
-        raise BlockError(message)
+        raise BlockError(message.format(*args))
 
 
 def peak_blocks(num_tokens: int, block_size: int, window: int, max_step_tokens: int) -> int:
@@ -156,7 +158,7 @@ class BlockManager:
             block_id, _ = self._cached_free.popitem(last=False)
             del self._block_of[self._key_of[block_id]]
             self._key_of[block_id] = None
-        _check(self._ref_counts[block_id] == 0, f"free block {block_id} is in use")
+        _check(self._ref_counts[block_id] == 0, "free block {} is in use", block_id)
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -167,8 +169,8 @@ class BlockManager:
         the caller guarantees that and sets ``seq.num_computed_tokens`` to match.
         """
         for block_id in block_ids:
-            _check(0 <= block_id < self.num_blocks, f"block {block_id} is not in the pool")
-            _check(self._ref_counts[block_id] > 0, f"cannot share free block {block_id}")
+            _check(0 <= block_id < self.num_blocks, "block {} is not in the pool", block_id)
+            _check(self._ref_counts[block_id] > 0, "cannot share free block {}", block_id)
             self._ref_counts[block_id] += 1
             seq.block_table.append(block_id)
 
@@ -195,11 +197,13 @@ class BlockManager:
         Raises ``BlockError`` if ``seq`` holds no blocks (a second free) or one of its blocks is
         already free: the pool is never silently corrupted.
         """
-        _check(bool(seq.block_table), f"{seq} holds no blocks: freed twice?")
+        _check(bool(seq.block_table), "{} holds no blocks: freed twice?", seq)
         held = seq.held_blocks
         for block_id, count in Counter(held).items():
-            _check(0 <= block_id < self.num_blocks, f"block {block_id} is not in the pool")
-            _check(self._ref_counts[block_id] >= count, f"{seq}: block {block_id} is already free")
+            _check(0 <= block_id < self.num_blocks, "block {} is not in the pool", block_id)
+            _check(
+                self._ref_counts[block_id] >= count, "{}: block {} is already free", seq, block_id
+            )
         # tail blocks first: a prompt's head blocks are reused last (useful to prefix caching)
         for block_id in reversed(held):
             self._drop_ref(seq, block_id)
@@ -207,7 +211,7 @@ class BlockManager:
         seq.num_released_blocks = seq.num_keyed_blocks = 0
 
     def _drop_ref(self, seq: Sequence, block_id: int) -> None:
-        _check(self._ref_counts[block_id] > 0, f"{seq}: block {block_id} is already free")
+        _check(self._ref_counts[block_id] > 0, "{}: block {} is already free", seq, block_id)
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
             if self._key_of[block_id] is None:
@@ -259,10 +263,10 @@ class BlockManager:
         its table begins with them, its tokens in them count as computed, and it grows to hold
         ``num_new_tokens`` more. With a window, the hits left of its next token's window stay
         in the table as released entries, not held."""
-        _check(not seq.block_table, f"{seq} already holds blocks")
+        _check(not seq.block_table, "{} already holds blocks", seq)
         keys = self.keys(seq, len(hits))
         for block_id, key in zip(hits, keys):
-            _check(self._key_of[block_id] == key, f"block {block_id} is stale: evicted")
+            _check(self._key_of[block_id] == key, "block {} is stale: evicted", block_id)
         if self.blocks_to_admit(hits, num_new_tokens) > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: cannot admit {seq}")
         cached = len(hits) * self.block_size
@@ -304,9 +308,9 @@ class BlockManager:
         _check(len(plain) == len(self._free) and not plain & cached, "a block is free twice")
         for b in range(self.num_blocks):
             _check((self._ref_counts[b] == 0) == (b in plain or b in cached),
-                   f"block {b}: ref count {self._ref_counts[b]} vs the free lists")  # fmt: skip
-            _check((b in cached) <= (self._key_of[b] is not None), f"block {b} has no key")
-            _check((b in plain) <= (self._key_of[b] is None), f"block {b} has a key")
+                   "block {}: ref count {} vs the free lists", b, self._ref_counts[b])  # fmt: skip
+            _check((b in cached) <= (self._key_of[b] is not None), "block {} has no key", b)
+            _check((b in plain) <= (self._key_of[b] is None), "block {} has a key", b)
             key = self._key_of[b]
-            _check(key is None or self._block_of.get(key) == b, f"block {b}: key not mapped")
+            _check(key is None or self._block_of.get(key) == b, "block {}: key not mapped", b)
         _check(all(self._key_of[b] == k for k, b in self._block_of.items()), "stale key map")

@@ -56,10 +56,14 @@ class PromptChecker:
         else:
             ids = list(prompt)
             vocab = self.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < vocab]  # fmt: skip
-            if bad:
-                raise ValueError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
+            # the common case checked at C speed (a 128K-token prompt: 2 ms, not 10); bool is
+            # not an id (``type(True) is bool``)
+            plain = all(type(t) is int for t in ids)
+            if not (plain and ids and 0 <= min(ids) and max(ids) < vocab):
+                bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                       or not 0 <= t < vocab]  # fmt: skip
+                if bad:
+                    raise ValueError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
         if not ids:
             raise ValueError("the prompt must not be empty")
         return ids
