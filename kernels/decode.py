@@ -332,6 +332,7 @@ def _decode_split_kernel(
 # µs per call under CUDA graph replay, Llama-3-8B heads, bf16; `python -m kernels.bench --sweep`)
 
 _SMEM_PER_SM = 228 << 10  # sm_90; each resident program also holds 1 KB of the driver's
+_SMEM_PER_BLOCK = 232_448  # sm_90: the most one program may ask (227 KB)
 _FIXED_CHUNK = 16  # splits merged per step in split_size mode: the order never depends on S
 
 
@@ -439,6 +440,23 @@ def stages_for(
     return (block_n, warps, stages - 1) if split_tokens <= tuning.short_split_tokens else config
 
 
+def fit_smem(config: tuple[int, int, int], head_dim: int, itemsize: int) -> tuple[int, int, int]:
+    """``config`` with BLOCK_N halved (down to 16) until one program's shared memory fits the
+    sm_90 limit: num_stages - 1 K and V tiles plus q and layout scratch. The measured tiles are
+    for bf16/fp16; float32 caches (tests) at head dim 256 and (64, 4, 3) asked 282,688 bytes of
+    232,448 (H100, Triton 3.6): (32, 4, 3) there."""
+    block_n, warps, stages = config
+    while block_n > 16 and _smem_bytes(block_n, stages, head_dim, itemsize) > _SMEM_PER_BLOCK:
+        block_n //= 2
+    return block_n, warps, stages
+
+
+def _smem_bytes(block_n: int, stages: int, head_dim: int, itemsize: int) -> int:
+    # scratch: 20.5 KB measured at head dim 256 in float32 (q [16, 256] and layout conversions)
+    scratch = 16 * head_dim * itemsize + (8 << 10)
+    return max(1, stages - 1) * 2 * block_n * head_dim * itemsize + scratch
+
+
 def programs_per_sm(
     config: tuple[int, int, int],
     head_dim: int,
@@ -495,7 +513,7 @@ def plan_splits(
     at its window's first token rounded down to a tile, so up to ``window + BLOCK_N - 1``
     tokens: the split count of ``split_size`` mode counts those, so that every split is
     ``split_size`` long whatever the row's alignment (batch invariance)."""
-    tiles = tuning.tiles or decode_config(head_dim, tuning)
+    tiles = tuning.tiles or fit_smem(decode_config(head_dim, tuning), head_dim, itemsize)
     block_n = tiles[0]
     span = min(max_seq_len, window) if window > 0 else max_seq_len
     if split_size is not None:

@@ -199,6 +199,22 @@ def test_decode_plan_runs_short_splits_with_one_stage_fewer():
     assert plan_splits(1, 2, 64, 2, 4096, 132, never).tiles == base
 
 
+def test_decode_tiles_fit_shared_memory():
+    """The measured tiles are for 2-byte caches: a float32 cache at head dim 256 takes narrower
+    tiles that fit sm_90's 227 KB (the H100 refused (64, 4, 3) there: 282,688 bytes), the rest
+    keep theirs; explicit tiles are never changed."""
+    from kernels.decode import _SMEM_PER_BLOCK, _smem_bytes, decode_config, plan_splits
+
+    for d, itemsize in ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4)):
+        tiles = plan_splits(1, 8, d, itemsize, 4096, 132, DecodeTuning(tiles=None)).tiles
+        block_n, _, stages = tiles
+        assert _smem_bytes(block_n, stages, d, itemsize) <= _SMEM_PER_BLOCK, (d, itemsize)
+        want = decode_config(d)[0] if (d, itemsize) != (256, 4) else 32
+        assert block_n == want, (d, itemsize, tiles)
+    wide = DecodeTuning().wide_tiles
+    assert plan_splits(1, 8, 256, 4, 4096, 132, DecodeTuning(tiles=wide)).tiles == wide
+
+
 def test_decode_tuning_sizes_the_splits():
     """Each split-sizing field moves the plan as documented (B=1, 2 KV heads, 132 SMs, head
     dim 64, fp16)."""
