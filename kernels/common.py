@@ -68,22 +68,6 @@ def pdl_enter(CHAIN: tl.constexpr, TRIGGER: tl.constexpr = False):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (any shape; one address per line is enough)
-    and go on without waiting: ``prefetch.global.L2::evict_last``. For a chained kernel's
-    inputs that no kernel before it writes (weights), issued before ``pdl_enter`` so that the
-    first reads overlap the wait for the previous kernel. CUDA only (inline PTX)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 _LOG2E = 1.4426950408889634
 
 

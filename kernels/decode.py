@@ -57,7 +57,6 @@ from kernels.common import (
     check_kv_pages,
     check_window_softcap,
     pdl_wait,
-    prefetch_l2,
     softcap_factors,
     softcap_log2,
 )
@@ -232,9 +231,9 @@ def _decode_split_kernel(
     MERGE_H: tl.constexpr,
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,  # PDL_WAIT only: ask L2 for the first KV tile before waiting
-    LINE: tl.constexpr,  # cache elements per 128-byte line
 ):
+    if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -254,21 +253,6 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    bt = BlockTables + b.to(tl.int64) * stride_btb
-    head_off = hkv.to(tl.int64) * stride_kh
-    pages = _tile_pages(bt, start, lo, end, PAGE, BLOCK_N, WINDOWED)
-    if PREFETCH:
-        # Launched early (PDL), the program would idle until rope_write_kv ends. The lengths
-        # and block tables were uploaded before the step, and a prefetch only warms L2 (the
-        # loads after gdc_wait see rope_write_kv's stores), so the first tile's K/V lines are
-        # asked for now: [BN, D / LINE] addresses, masked tokens pointing into page 0.
-        offs_l = tl.arange(0, BLOCK_D // LINE) * LINE
-        row = pages * stride_kb + ((start + offs_n) % PAGE) * stride_kt + head_off  # [BN]
-        line = row[:, None] + tl.minimum(offs_l, HEAD_DIM - 1)[None, :]
-        prefetch_l2(K + line)
-        prefetch_l2(V + line)
-    if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
-        tl.extra.cuda.gdc_wait()
     heads = hkv * GROUP + offs_g  # [BG]
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -278,11 +262,14 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt = BlockTables + b.to(tl.int64) * stride_btb
+    head_off = hkv.to(tl.int64) * stride_kh
     # The block-table entries of each tile are loaded one tile ahead (carried in `pages`): the
     # K/V addresses of a tile never wait on a block-table load issued in the same iteration,
     # and the pipeliner keeps num_stages - 1 K/V tiles in flight (Triton 3.6, sm_90: 2 buffers
     # at 3 stages, 71.7 KB smem; 3 at 4, 104.4 KB; entries loaded in the loop: 1 buffer at any
     # num_stages, 2 loads two tiles ahead: no pipelining at all).
+    pages = _tile_pages(bt, start, lo, end, PAGE, BLOCK_N, WINDOWED)
     for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
         nxt = _tile_pages(bt, n0 + BLOCK_N, lo, end, PAGE, BLOCK_N, WINDOWED)
         m_i, l_i, acc = _attend_tile(
@@ -370,8 +357,6 @@ class DecodeTuning:
     # (rope_write_kv, which triggers early) runs, and waits for it in-kernel. On / off, fused
     # merge: B=1/4K 12.3 / 12.5, 16K 30.7 / 31.0, B=8/4K 53.2 / 53.6 (kernels-notes.md run 5).
     pdl: bool = True
-    # With pdl: each program asks L2 for its first K/V tile before it waits for rope_write_kv.
-    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.tiles is not None:
@@ -601,7 +586,7 @@ def decode_attention(
     launch = functools.partial(
         _launch, q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse,
         counters, scale, window, softcap, plan, per_sm, return_lse, split_size is not None,
-        tuning.prefetch, chain,
+        chain,
     )  # fmt: skip
     _launch_maybe_pdl(q.device, tuning.pdl, launch)
     return (out, lse) if return_lse else out
@@ -646,7 +631,7 @@ def _merge_per_thread(per_sm: int, num_warps: int) -> int:
 
 def _launch(
     q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse, counters,
-    scale, window, softcap, plan, per_sm, return_lse, fixed, prefetch, chain, *, pdl,
+    scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, pdl,
 ):  # fmt: skip
     """Stage 1, merging in its last program per (sequence, KV head); launched early (PDL) when
     ``pdl``, and then letting the next kernel launch early too when ``chain``."""
@@ -679,7 +664,6 @@ def _launch(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PREFETCH=pdl and prefetch, LINE=128 // k_cache.element_size(),
         num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
 

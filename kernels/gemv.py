@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import SplitCounters, pdl_enter, pdl_kwargs, prefetch_l2
+from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
 
 MAX_M = 16
@@ -68,10 +68,9 @@ def _linear_kernel(
     NUM_STAGES: tl.constexpr,
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,  # K tiles of weights asked of L2 before waiting (CHAIN only)
-    LINE: tl.constexpr,  # weight elements per 128-byte line
     CHAIN: tl.constexpr,
 ):
+    pdl_enter(CHAIN)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -81,14 +80,6 @@ def _linear_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     # Out-of-range rows are clamped, not masked: every weight load is a full, unmasked tile.
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    # Launched early (the PDL chain), the program would idle until the kernel before it ends;
-    # no kernel writes the weights, so their first tiles are asked of L2 meanwhile.
-    if PREFETCH > 0:
-        offs_line = tl.arange(0, BLOCK_K // LINE) * LINE  # [BK / LINE]: one address a line
-        for t in tl.static_range(PREFETCH):
-            ks = tl.minimum(k_lo + t * BLOCK_K + offs_line, k_hi - 1)
-            prefetch_l2(W + w_rows[:, None] * K + ks[None, :])  # [BN, BK / LINE]
-    pdl_enter(CHAIN)
     x_rows = tl.minimum(offs_m, M - 1)
     w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, BK]
     x_ptrs = X + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [BM, BK]
@@ -234,15 +225,13 @@ def linear_small_m(
     *,
     config: tuple[int, int, int, int, int] | None = None,
     chain: bool = True,
-    prefetch_tiles: int = 1,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
     ``config`` = (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) overrides ``gemv_config``
     (SPLIT_K is capped at the number of K tiles, and lowered so that no split is empty).
     ``chain``: join the decode layer's PDL chain where the device supports it
-    (``kernels.common.pdl_chain``); chained, each program first asks L2 for its first
-    ``prefetch_tiles`` weight tiles (``kernels.common.prefetch_l2``).
+    (``kernels.common.pdl_chain``).
     """
     _check(x, weight, bias)
     m, k = x.shape
@@ -265,7 +254,6 @@ def linear_small_m(
     else:
         part = counters = out  # unused
     block_m = 16 if use_dot else 1
-    pdl = pdl_kwargs(x.device, chain)
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight, out, part, counters,
         m, n, k, splits, per_split * block_k, x.stride(0), out.stride(0),
@@ -273,8 +261,7 @@ def linear_small_m(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         MERGE_S=min(triton.next_power_of_2(splits), 8 if use_dot else 16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PREFETCH=prefetch_tiles if pdl["CHAIN"] else 0, LINE=128 // weight.element_size(),
-        num_warps=num_warps, **pdl,
+        num_warps=num_warps, **pdl_kwargs(x.device, chain),
     )  # fmt: skip
     return out
 
