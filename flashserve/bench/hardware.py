@@ -19,9 +19,10 @@ def synchronize(device: torch.device) -> None:
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 20) -> float:
     """Bytes/s of a large tensor copy on ``device``, counting bytes read + written: the median
-    of ``reps`` copies after a warm-up of as many, timed with CUDA events on a GPU. (Host
-    timing after a single warm-up copy read 2,902-2,988 GB/s on one H100 within ten minutes,
-    while the decode steps timed beside it moved by 0.04%.)"""
+    of ``reps`` copies after a warm-up of as many, timed with CUDA events on a GPU. The reading
+    moves by up to 3% from one process to the next on one H100 (2,902-3,007 GB/s in six runs
+    within minutes, 2026-11-25, while the decode steps timed beside it moved by 0.2%): compare
+    step times between runs, and rooflines only with the bandwidth each run read."""
     if nbytes is None:
         nbytes = CUDA_COPY_BYTES if device.type == "cuda" else CPU_COPY_BYTES
     src = torch.randn(nbytes // 4, dtype=torch.float32, device=device)
