@@ -8,7 +8,8 @@ with a sliding window reads only the KV of its window's positions, and only thos
 (Gemma 3: five of six layers read at most 1,024 positions; Mistral v0.1: 4,096). The
 peer, Hugging Face transformers (static cache, SDPA) on the same weights, runs after ours
 and is held to the same byte count (its static cache in fact attends over the whole masked
-cache). Weight bytes are those a step reads: all of them but an untied input embedding.
+cache). Weight bytes are those a step reads: all of them but an untied input embedding, fp8
+projections at one byte per weight plus their float32 scales (``weight_bytes_read``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
             "model": engine.model_name,
             "device": str(device),
             "dtype": config.dtype,
+            # the projections' float8 layout (--quantization fp8, or an fp8 checkpoint's)
+            "fp8_weights": _fp8_meta(engine.runner.model),
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
@@ -146,6 +149,11 @@ def _engine_config(args: argparse.Namespace):
         bs = config.block_size
         config.max_kv_tokens = max(b * -(-n // bs) * bs for (_, b), n in need.items())
     return config
+
+
+def _fp8_meta(model) -> dict[str, Any] | None:
+    fp8 = getattr(model, "fp8", None)
+    return None if fp8 is None else {"scales": fp8.scales, "source": fp8.source}
 
 
 def _our_steps(args: argparse.Namespace) -> int:
