@@ -98,8 +98,8 @@ class Linear(nn.Module):
         for name, rows in list(parts.items())[:-1]:
             if rows % FP8_BLOCK:
                 raise ValueError(f"block-wise fp8 weights (128x128 scales) need {name}'s rows "
-                                 f"in whole blocks of 128 to fuse it with "
-                                 f"{', '.join(list(parts)[1:])}; it has {rows}")  # fmt: skip
+                                 f"in whole blocks of 128 to fuse {' + '.join(parts)} into one "
+                                 f"projection; it has {rows}")  # fmt: skip
 
     # ---- loading ----------------------------------------------------------------------------
 
