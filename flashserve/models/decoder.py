@@ -4,6 +4,8 @@ Phi-3/4, SmolLM2), as Hugging Face defines each; their differences are ``ModelCo
 Tokens of a step are flattened to ``[T]``; every layer reads the same ``AttentionMetadata``.
 q/k/v share one Linear and gate/up share another; ``load_weights`` takes Hugging Face tensor
 names and copies each into its slice of the fused weight (Phi-3 checkpoints store them fused).
+Every projection is a ``flashserve.models.linear.Linear``: in the model's dtype, or float8
+e4m3 with scales (``Fp8Weights``); embeddings, norms and the LM head keep the model's dtype.
 
 The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSNorm that
 starts a sublayer adds the previous sublayer's output to the residual first

@@ -5,6 +5,9 @@ Our q/k/v projections are one Linear and gate/up another. Most checkpoints store
 Phi-3's store them fused already (``qkv_proj``, ``gate_up_proj``, in our row order). A
 multimodal Gemma 3 checkpoint holds the text model under ``language_model`` (4.x:
 ``language_model.model.*``, 5.x: ``model.language_model.*``) beside a vision tower we skip.
+An fp8 checkpoint holds each projection's scales beside its weight (``q_proj.weight_scale``,
+or ``weight_scale_inv``): they go to the same rows of the fused projection, through its
+``Linear`` (``flashserve.models.linear``), which knows their layout.
 """
 
 from __future__ import annotations
