@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     device = torch.device(config.device)
     from flashserve.engine.llm_engine import LLMEngine
+    from flashserve.loaders.load import describe_weights
 
     bandwidth = copy_bandwidth(device)  # before the model takes the memory
     engine = cli.load_engine(LLMEngine, config)
@@ -102,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
             "model": engine.model_name,
             "device": str(device),
             "dtype": config.dtype,
-            # the projections' float8 layout (--quantization fp8, or an fp8 checkpoint's)
-            "fp8_weights": _fp8_meta(engine.runner.model),
+            # their size and dtypes: float8 projections (--quantization fp8, or an fp8
+            # checkpoint), with their scales' layout
+            "weights": describe_weights(engine.runner.model),
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
@@ -149,11 +151,6 @@ def _engine_config(args: argparse.Namespace):
         bs = config.block_size
         config.max_kv_tokens = max(b * -(-n // bs) * bs for (_, b), n in need.items())
     return config
-
-
-def _fp8_meta(model) -> dict[str, Any] | None:
-    fp8 = getattr(model, "fp8", None)
-    return None if fp8 is None else {"scales": fp8.scales, "source": fp8.source}
 
 
 def _our_steps(args: argparse.Namespace) -> int:
