@@ -218,8 +218,8 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
 # element is half the bytes: twice the rows), with 8 warps at M = 1 to keep the [BLOCK_N,
 # BLOCK_K] fp32 accumulator at 64 registers a thread. sm_90 compile reports (Triton 3.9,
 # registers, no spills anywhere): M = 1 (8, 2048, 8 warps) 124 per channel / 136 blocks,
-# (16, 1024, 8) 128; M > 1 (64, 256) 166 per channel, 244 blocks (the [1, BK] scales times the
-# tile), so blocks take (32, 512): 80.
+# (16, 1024, 8) 128 / 135, narrow (4, 1024, 4) 64; M > 1 (64, 256) 166 per channel, 244 blocks
+# (the [1, BK] scales times the tile), so blocks take (32, 512): 80.
 _FP8_TILE_M1 = (16, 1024, 8, 3)
 _FP8_TILE_M1_LONG = (8, 2048, 8, 3)
 _FP8_TILE_M1_NARROW = (4, 1024, 4, 4)
