@@ -16,6 +16,7 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass
@@ -48,6 +49,10 @@ class EngineConfig:
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt
     enable_prefix_caching: bool = True
+    # fp8: the decoder's projections in float8 e4m3 with per-channel scales, quantized as the
+    # weights load (an fp8 checkpoint is detected from its config.json without it); None:
+    # the checkpoint's own (unquantized unless it is an fp8 checkpoint)
+    quantization: str | None = None
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
 
     def __post_init__(self) -> None:
@@ -82,6 +87,9 @@ class EngineConfig:
             raise ValueError(f"max_kv_tokens must be >= block_size ({self.block_size})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

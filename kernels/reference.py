@@ -31,13 +31,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.quant import dequantize
+
 
 def linear(
     x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K]: x's dtype, or float8 e4m3 with weight_scale
     bias: torch.Tensor | None = None,  # [N]
+    weight_scale: torch.Tensor | None = None,  # fp32 [N] or [cdiv(N, 128), cdiv(K, 128)]
 ) -> torch.Tensor:  # [T, N]
-    """``x @ weight.T + bias``."""
+    """``x @ weight.T + bias``; a float8 weight is first dequantized to x's dtype
+    (``kernels.quant.dequantize``: ``weight * scale`` in float32, then rounded)."""
+    if weight_scale is not None:
+        weight = dequantize(weight, weight_scale, x.dtype)
     return F.linear(x, weight, bias)
 
 

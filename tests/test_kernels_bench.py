@@ -88,3 +88,18 @@ def test_window_option_is_checked():
                                                           "1000"]):  # fmt: skip
         with pytest.raises(SystemExit):
             bench.main(argv)
+
+
+def test_fp8_gemv_bench_times_every_layout(tmp_path):
+    """``python -m kernels.bench_fp8``: bf16, fp8 per channel and fp8 blocks at each M, each
+    checked against its own weight first; fp8 reads about half the bytes."""
+    from kernels import bench_fp8
+
+    out = tmp_path / "fp8.json"
+    bench_fp8.main(["--shapes", "qkv", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    want = {(lay, m) for lay in bench_fp8.LAYOUTS for m in bench_fp8.MS}
+    assert {(r["layout"], r["M"]) for r in rows} == want
+    assert all(r["rel_err"] <= bench_fp8.MAX_ERR and r["pick_us"] > 0 for r in rows)
+    size = {r["layout"]: r["bytes"] for r in rows if r["M"] == 1}
+    assert size["fp8-channel"] < 0.6 * size["bf16"] and size["fp8-block"] < 0.6 * size["bf16"]

@@ -8,7 +8,8 @@ with a sliding window reads only the KV of its window's positions, and only thos
 (Gemma 3: five of six layers read at most 1,024 positions; Mistral v0.1: 4,096). The
 peer, Hugging Face transformers (static cache, SDPA) on the same weights, runs after ours
 and is held to the same byte count (its static cache in fact attends over the whole masked
-cache). Weight bytes are those a step reads: all of them but an untied input embedding.
+cache). Weight bytes are those a step reads: all of them but an untied input embedding, fp8
+projections at one byte per weight plus their float32 scales (``weight_bytes_read``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     device = torch.device(config.device)
     from flashserve.engine.llm_engine import LLMEngine
+    from flashserve.loaders.load import describe_weights
 
     bandwidth = copy_bandwidth(device)  # before the model takes the memory
     engine = cli.load_engine(LLMEngine, config)
@@ -101,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
             "model": engine.model_name,
             "device": str(device),
             "dtype": config.dtype,
+            # their size and dtypes: float8 projections (--quantization fp8, or an fp8
+            # checkpoint), with their scales' layout
+            "weights": describe_weights(engine.runner.model),
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,

@@ -58,6 +58,7 @@ class LLMEngine:
             self.config.attention_backend,
             self.config.seed,
             pdl_chain=self.config.pdl_chain,
+            quantization=self.config.quantization,
         )
         self.model_name = loaded.name
         self.model_config = loaded.config

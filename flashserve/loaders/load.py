@@ -3,7 +3,10 @@
 A spec is None (the embedded default model, SmolLM2-135M-Instruct), a Hugging Face
 directory, a ``.gguf`` file, or ``dummy:<preset>`` (random weights of a real model's shape).
 The model is allocated once, on the target device in the target dtype, and the weights are
-streamed into it one tensor at a time.
+streamed into it one tensor at a time. Float8 projections (an fp8 checkpoint, found by its
+``quantization_config``, or ``quantization="fp8"``) are allocated in float8 from the start,
+and float weights are quantized one tensor at a time as they arrive: no full-precision copy of
+the model is ever made.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flashserve.models import DecoderForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
 from flashserve.models.decoder import build_model, init_random
+from flashserve.models.linear import CHANNEL, QUANTIZE_AT_LOAD, Fp8Weights
 from flashserve.models.presets import preset_config
 from flashserve.tokenizer.tokenizer import Tokenizer
 
@@ -49,23 +53,52 @@ def load_model(
     attention_backend: str,
     seed: int = 0,
     pdl_chain: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """The model ``spec`` names, on ``device`` in ``dtype``, attending with the named backend
     (``torch`` or ``triton``, its kernels in the PDL chain if ``pdl_chain``); ``seed`` seeds
-    dummy weights."""
+    dummy weights. ``quantization`` ``fp8``: float8 projections, quantized as they load
+    (an fp8 checkpoint gets them without it)."""
     backend = load_backend(attention_backend, pdl_chain)
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    fp8 = QUANTIZE_AT_LOAD if quantization == "fp8" else None
     if spec is None:
-        return _load_gguf(default_model_path(), device, dtype, backend)
-    if spec.startswith("dummy:"):
-        return _load_dummy(spec.removeprefix("dummy:"), device, dtype, backend, seed)
-    path = pathlib.Path(spec).expanduser()
-    if path.is_dir():
-        return _load_hf(path, device, dtype, backend)
-    if path.suffix == ".gguf" and path.is_file():
-        return _load_gguf(path, device, dtype, backend)
-    raise FileNotFoundError(
-        f"model {spec!r} is not a Hugging Face directory, an existing .gguf file, or dummy:<preset>"
+        loaded = _load_gguf(default_model_path(), device, dtype, backend, fp8)
+    elif spec.startswith("dummy:"):
+        loaded = _load_dummy(spec.removeprefix("dummy:"), device, dtype, backend, seed, fp8)
+    else:
+        path = pathlib.Path(spec).expanduser()
+        if path.is_dir():
+            loaded = _load_hf(path, device, dtype, backend, quantization)
+        elif path.suffix == ".gguf" and path.is_file():
+            loaded = _load_gguf(path, device, dtype, backend, fp8)
+        else:
+            raise FileNotFoundError(f"model {spec!r} is not a Hugging Face directory, an "
+                                    "existing .gguf file, or dummy:<preset>")  # fmt: skip
+    log.info("weights: %s", describe_weights(loaded.model))
+    return loaded
+
+
+def describe_weights(model: DecoderForCausalLM) -> str:
+    """Their size and dtypes, for the start-up log: ``14.96 GiB bfloat16``, or with float8
+    projections ``8.46 GiB: projections float8 e4m3, per-channel scales (quantized at load)
+    6.51 GiB; embeddings, norms, LM head bfloat16``."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    rest = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    if model.fp8 is None:
+        return f"{_size(total)} {rest}"
+    fp8 = sum(p.numel() * p.element_size() for m in model.linears()
+              for p in (m.weight, m.weight_scale) if p is not None)  # fmt: skip
+    scales = "per-channel" if model.fp8.scales == CHANNEL else "128x128 block"
+    return (
+        f"{_size(total)}: projections float8 e4m3, {scales} scales ({model.fp8.source}) "
+        f"{_size(fp8)}; embeddings, norms, LM head {rest}"
     )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def default_model_path() -> pathlib.Path:
@@ -91,11 +124,15 @@ def _package_files() -> list[pathlib.Path]:
     return found
 
 
-def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
+def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
+             quantization: str | None) -> LoadedModel:  # fmt: skip
     config = hf_source.read_config(path)
+    fp8 = hf_source.read_fp8_weights(path, quantization)
     tokenizer = Tokenizer.from_dir(path)  # before the weights: fail fast
-    checkpoint = hf_source.Checkpoint.open(path)  # every file's header checked, no data read
-    model = build_model(config, backend, device, dtype)
+    # every file's header checked, no data read; float8 tensors only where config.json says
+    float8 = fp8 is not None and fp8.checkpoint_scale is not None
+    checkpoint = hf_source.Checkpoint.open(path, float8)
+    model = _build(config, backend, device, dtype, fp8, path / "config.json")
     try:
         model.load_weights(checkpoint.weights())
     except WeightsError:
@@ -105,7 +142,8 @@ def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> Lo
     return LoadedModel(model, config, tokenizer, config.name)
 
 
-def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
+def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
+               fp8: Fp8Weights | None) -> LoadedModel:  # fmt: skip
     header = read_gguf_header(path)  # the whole header checked, every tensor there: no data read
     reader = gguf_source.open_reader(path)
     config = gguf_source.read_config(reader, header.metadata, name=path.stem)
@@ -113,7 +151,7 @@ def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> 
         tokenizer = Tokenizer.from_gguf(header.metadata)
     except ValueError as exc:  # the file's tokenizer.ggml.* keys, missing or inconsistent
         raise WeightsError(path, str(exc)) from exc
-    model = build_model(config, backend, device, dtype)
+    model = _build(config, backend, device, dtype, fp8, path)
     try:
         model.load_weights(gguf_source.iter_weights(reader, config))
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
@@ -121,11 +159,22 @@ def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> 
     return LoadedModel(model, config, tokenizer, config.name)
 
 
-def _load_dummy(preset: str, device: str, dtype: torch.dtype, backend, seed: int) -> LoadedModel:
+def _load_dummy(preset: str, device: str, dtype: torch.dtype, backend, seed: int,
+                fp8: Fp8Weights | None) -> LoadedModel:  # fmt: skip
     config = preset_config(preset)
-    model = build_model(config, backend, device, dtype)
+    model = build_model(config, backend, device, dtype, fp8)
     init_random(model, seed)
     eos = config.eos_token_ids[0]
     tokenizer = Tokenizer.byte_level(config.vocab_size, config.bos_token_id, eos)
     log.info("dummy model %s: random weights, seed %d", preset, seed)
     return LoadedModel(model, config, tokenizer, config.name)
+
+
+def _build(config: ModelConfig, backend, device: str, dtype: torch.dtype,
+           fp8: Fp8Weights | None, file: pathlib.Path) -> DecoderForCausalLM:  # fmt: skip
+    """``build_model``; a shape the float8 layout cannot hold (block scales over fused parts
+    of the wrong size) is a WeightsError naming ``file``, before anything is allocated."""
+    try:
+        return build_model(config, backend, device, dtype, fp8)
+    except ValueError as exc:
+        raise WeightsError(file, str(exc)) from exc

@@ -4,6 +4,8 @@ Phi-3/4, SmolLM2), as Hugging Face defines each; their differences are ``ModelCo
 Tokens of a step are flattened to ``[T]``; every layer reads the same ``AttentionMetadata``.
 q/k/v share one Linear and gate/up share another; ``load_weights`` takes Hugging Face tensor
 names and copies each into its slice of the fused weight (Phi-3 checkpoints store them fused).
+Every projection is a ``flashserve.models.linear.Linear``: in the model's dtype, or float8
+e4m3 with scales (``Fp8Weights``); embeddings, norms and the LM head keep the model's dtype.
 
 The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSNorm that
 starts a sublayer adds the previous sublayer's output to the residual first
@@ -31,8 +33,16 @@ from flashserve.models.attention import (
     load_backend,
 )
 from flashserve.models.config import ModelConfig
+from flashserve.models.linear import CHANNEL, Fp8Weights, Linear
 from flashserve.models.rope import RotaryEmbedding
-from flashserve.models.weights import check_complete, checkpoint_name, weight_slots
+from flashserve.models.weights import (
+    FUSED_CHECKPOINTS,
+    Slot,
+    check_complete,
+    checkpoint_name,
+    weight_slots,
+)
+from kernels.quant import quantize_blocks, quantize_per_channel
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin tables [P, R/2]
 
@@ -72,12 +82,16 @@ class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache: this layer's window, soft-cap
     and RoPE table, q/k head norms when the config has them."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
+                 fp8: str | None = None):  # fmt: skip
         super().__init__()
-        self.ops = backend
-        sizes = config.q_size + 2 * config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, sizes, config.attention_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, config.attention_out_bias)
+        c = config
+        self.qkv_proj = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.attention_bias,
+                               backend, fp8)  # fmt: skip
+        self.o_proj = Linear(c.q_size, c.hidden_size, c.attention_out_bias, backend, fp8)
+        if c.architecture not in FUSED_CHECKPOINTS:  # q, k, v load apart into qkv_proj
+            self.qkv_proj.check_fusable({"q_proj": c.q_size, "k_proj": c.kv_size,
+                                         "v_proj": c.kv_size})  # fmt: skip
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = _norm(config, backend, config.head_dim)
@@ -102,27 +116,28 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         rope = ropes[self.rope_table]
         out = self.attn(qkv, positions, rope, *kv_cache, meta, *norms)  # [T, Hq, D]
-        return self.ops.linear(out.view(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out.view(x.shape[0], -1))
 
 
 class MLP(nn.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))``, SiLU (SwiGLU) or GELU-tanh (Gemma)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None):
         super().__init__()
-        self.ops = backend
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, False)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(hidden, 2 * inter, False, backend, fp8)
+        self.down_proj = Linear(inter, hidden, False, backend, fp8)
+        if config.architecture not in FUSED_CHECKPOINTS:
+            self.gate_up_proj.check_fusable({"gate_proj": inter, "up_proj": inter})
         act = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}[config.hidden_act]
         self.act_and_mul = getattr(backend, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
-        return self.ops.linear(self.act_and_mul(gate_up), self.down_proj.weight)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -135,16 +150,17 @@ class DecoderLayer(nn.Module):
     the layer returns its MLP output un-normed and ``output_norm`` names the norm the next
     layer (or the model's final norm) must apply to it first."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
+                 fp8: str | None = None):  # fmt: skip
         super().__init__()
         self.input_layernorm = _norm(config, backend)
-        self.self_attn = Attention(config, backend, layer)
+        self.self_attn = Attention(config, backend, layer, fp8)
         self.post_attention_layernorm = _norm(config, backend)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(config, backend)
             self.post_feedforward_layernorm = _norm(config, backend)
-        self.mlp = MLP(config, backend)
+        self.mlp = MLP(config, backend, fp8)
 
     @property
     def output_norm(self) -> RMSNorm | None:
@@ -176,11 +192,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, i, fp8) for i in range(config.num_hidden_layers)
         )
         self.norm = _norm(config, backend)
         self.rotary_emb = RotaryEmbedding(config)  # the global layers'
@@ -193,13 +209,16 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Decoder plus LM head; parameters never require grad."""
+    """Decoder plus LM head; parameters never require grad. ``fp8``: the projections hold
+    float8 weights as it says (the embeddings, norms and LM head keep the model's dtype)."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 fp8: Fp8Weights | None = None):  # fmt: skip
         super().__init__()
         self.config = config
+        self.fp8 = fp8
         self.backend = attn_backend  # its metadata and graph hooks serve the model runner
-        self.model = DecoderModel(config, attn_backend)
+        self.model = DecoderModel(config, attn_backend, fp8.scales if fp8 else None)
         self.lm_head = None  # tied: compute_logits uses the embedding matrix
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -247,7 +266,10 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into our (fused) parameters, converting dtype and
-        device on the way. Raises ValueError naming missing, unexpected or misshapen tensors."""
+        device on the way (a projection's float weights are quantized when the model holds
+        fp8 ones: ``Linear.load``). Raises ValueError naming missing, unexpected or misshapen
+        tensors."""
+        scale_name = self.fp8.checkpoint_scale if self.fp8 else None
         slots = self._weight_slots()
         loaded, unexpected = set(), []
         for name, tensor in weights:
@@ -257,30 +279,49 @@ class DecoderForCausalLM(nn.Module):
             if name not in slots:
                 unexpected.append(name)
                 continue
-            param, start, size = slots[name]
-            dst = param.data if size is None else param.data.narrow(0, start, size)
-            if dst.shape != tensor.shape:
-                raise ValueError(
-                    f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)
+            param, start, size, linear, kind = slots[name]
+            if linear is not None:
+                if linear.load(kind, tensor, start, size, name) and scale_name:
+                    loaded.add(name.removesuffix("weight") + scale_name)  # quantized here
+            else:
+                if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    raise ValueError(f"tensor {name} is {tensor.dtype}: only the decoder's "
+                                     "projections take float8 weights (embeddings, norms and "
+                                     "the LM head stay unquantized)")  # fmt: skip
+                dst = param.data if size is None else param.data.narrow(0, start, size)
+                if dst.shape != tensor.shape:
+                    raise ValueError(
+                        f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, "
+                        f"model expects {tuple(dst.shape)}"
+                    )
+                dst.copy_(tensor)
             loaded.add(name)
         check_complete(sorted(set(slots) - loaded), unexpected)
 
-    def _weight_slots(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
-        """Hugging Face name -> (our parameter, first row, rows or None for all of it)."""
-        return weight_slots(self, self.config)
+    def _weight_slots(self) -> dict[str, Slot]:
+        """Hugging Face name -> ``Slot`` (our parameter, its rows, its projection)."""
+        return weight_slots(self, self.config, self.fp8.checkpoint_scale if self.fp8 else None)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
 
 
 def build_model(
-    config: ModelConfig, attn_backend: AttentionBackend, device: str, dtype: torch.dtype
+    config: ModelConfig,
+    attn_backend: AttentionBackend,
+    device: str,
+    dtype: torch.dtype,
+    fp8: Fp8Weights | None = None,
 ) -> DecoderForCausalLM:
     """A model with uninitialised weights allocated once, directly on ``device`` in ``dtype``
-    (the RoPE tables are computed); fill it with ``load_weights`` or ``init_random``."""
+    (the projections' weights in float8 e4m3 and their scales in float32 with ``fp8``; the
+    RoPE tables are computed); fill it with ``load_weights`` or ``init_random``."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, attn_backend)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        model = DecoderForCausalLM(config, attn_backend, fp8)
+        model = model.to(dtype=dtype)
+        for linear in model.linears():
+            linear.set_fp8_dtypes()
+    model = model.to_empty(device=device)
     for rotary in model.model.rotary_embeddings():
         rotary.build()
     return model
@@ -289,14 +330,26 @@ def build_model(
 @torch.no_grad()
 def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
     """Dummy weights: norms the identity (1, or 0 for Gemma's ``1 + w``), biases 0,
-    everything else N(0, std), from ``seed``."""
+    everything else N(0, std), from ``seed``. A float8 projection draws its weight in the
+    embeddings' dtype (the same numbers as the unquantized model's) and quantizes it."""
     device = next(model.parameters()).device
+    dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     identity = 0.0 if model.config.norm_unit_offset else 1.0
+    fp8 = {id(m.weight): m for m in model.linears() if m.fp8 is not None}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(identity)
         elif name.endswith(".bias"):
             p.zero_()
+        elif name.endswith(".weight_scale"):
+            continue  # set with its weight
+        elif id(p) in fp8:
+            w = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            linear = fp8[id(p)]
+            quantize = quantize_per_channel if linear.fp8 == CHANNEL else quantize_blocks
+            q, scale = quantize(w.float())
+            p.copy_(q)
+            linear.weight_scale.copy_(scale)
         else:
             p.normal_(0.0, std, generator=gen)
