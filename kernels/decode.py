@@ -364,8 +364,7 @@ class DecodeTuning:
             _check_tiles(self.tiles)
         object.__setattr__(self, "wide_tiles", tuple(self.wide_tiles))
         _check_tiles(self.wide_tiles, "wide_tiles")
-        for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens",
-                     "max_splits"):
+        for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
         if self.short_split_tokens < 0:
