@@ -72,7 +72,7 @@ from kernels.common import (
     softcap_log2,
 )
 from kernels.common import num_sms as _num_sms
-from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales, is_fp8
+from kernels.kv_quant import V_SCALE_SHIFT, is_fp8
 
 _LOG2E = 1.4426950408889634
 
