@@ -1,10 +1,11 @@
 """Turns a step into device tensors, runs the model and samples.
 
 The runner owns the device state: the model, the paged KV cache (one K and one V pool per
-layer; an fp8 cache adds a K and a V scale pool per layer, ``kernels.kv_quant``), the sampler and the staging that every host-to-device copy of a step goes through. A
-step is built once on the host (``StepPlan``), sent in one upload, and then run one of two
-ways (``_run``): by replaying a captured CUDA graph (decode-only steps) or eagerly. The
-attention backend builds the step's ``AttentionMetadata``, shared by every layer.
+layer; an fp8 cache adds a K and a V scale pool per layer, ``kernels.kv_quant``), the sampler
+and the staging that every host-to-device copy of a step goes through. A step is built once on
+the host (``StepPlan``), sent in one upload, and then run one of two ways (``_run``): by
+replaying a captured CUDA graph (decode-only steps) or eagerly. The attention backend builds
+the step's ``AttentionMetadata``, shared by every layer.
 """
 
 from __future__ import annotations
