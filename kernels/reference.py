@@ -199,8 +199,10 @@ def gather_kv(
     first = start // block_size
     num_blocks = -(-seq_len // block_size)
     ids = block_table[first:num_blocks].long()
-    pages = cache[ids]  # [nb - first, BS, Hkv, D]
-    if scale is not None:
+    if scale is None:
+        pages = cache[ids]  # [nb - first, BS, Hkv, D]
+    else:  # gathered as bytes (no float8 index kernel on some devices), then dequantized
+        pages = cache.view(torch.uint8)[ids].view(cache.dtype)
         pages = dequantize_fp8(pages, scale[ids].transpose(1, 2), dtype)
     skip = start - first * block_size
     return pages.reshape(-1, *cache.shape[2:])[skip : seq_len - first * block_size]
