@@ -75,6 +75,7 @@ from kernels.common import num_sms as _num_sms
 from kernels.kv_quant import V_SCALE_SHIFT, is_fp8
 
 _LOG2E = 1.4426950408889634
+_V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals only
 
 
 @triton.jit
@@ -99,7 +100,7 @@ def _tile_pages(bt, n0, lo, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WIND
 def _attend_tile(
     q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
     stride_kt, head_off, stride_sb, s_head, qk_scale, cap_in, cap_out, PAGE: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``;
@@ -115,10 +116,21 @@ def _attend_tile(
     ld_mask = kv_mask[:, None] & d_mask[None, :]  # [BN, BD]
     k = tl.load(K + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     v = tl.load(V + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
-    if FP8:  # a page run's scales are contiguous: BN / PAGE coalesced runs per tile
+    if FP8:
+        # The tile's scales: runs of min(PAGE, BN) contiguous offsets, each from a multiple of
+        # it (block and head strides are multiples of PAGE, tiles start at multiples of BN),
+        # which the compiler cannot see through the block-table entries: told here (a hint on
+        # a function's argument is lost), and loaded unmasked (every offset is in the pool:
+        # entries of dead pages read 0), the loads are wide enough to be copied ahead with the
+        # K/V tiles. Masked or without the hint they load 2 bytes a thread, synchronously in
+        # the loop (sm_90, Triton 3.9, 16-token pages: TTGIR of the compiled kernel).
         srow = pages * stride_sb + s_head + kv % PAGE  # [BN]
-        k_sc = tl.load(KS + srow, mask=kv_mask, other=0.0).to(tl.float32)
-        v_sc = tl.load(VS + srow, mask=kv_mask, other=0.0).to(tl.float32)
+        if PAGE < BLOCK_N:
+            srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
+        else:
+            srow = tl.max_contiguous(tl.multiple_of(srow, BLOCK_N), BLOCK_N)
+        k_sc = tl.load(KS + srow).to(tl.float32)
+        v_sc = tl.where(kv_mask, tl.load(VS + srow).to(tl.float32), 0.0)  # 0 past the end
         k = k.to(q.dtype)  # exact
         v = v.to(q.dtype)
     if SOFTCAP:
@@ -136,7 +148,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8:
-        pv = p * (v_sc * V_SCALE_SHIFT)[None, :]
+        pv = p * (v_sc * _V_SHIFT)[None, :]
     else:
         pv = p
     acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -308,7 +320,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_tile(
             q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask,
             stride_kb, stride_kt, head_off, stride_sb, hkv * PAGE, qk_scale, cap_in, cap_out,
-            PAGE=PAGE, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8,
+            PAGE=PAGE, BLOCK_N=BLOCK_N, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8,
             DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         pages = nxt
@@ -321,7 +333,7 @@ def _decode_split_kernel(
     empty = l_i == 0.0  # a split with no tokens: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if FP8:
-        out = out * (1.0 / V_SCALE_SHIFT)  # a power of two: exact
+        out = out * (1.0 / _V_SHIFT)  # a power of two: exact
     lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
     lse = tl.where(empty, float("-inf"), lse)
     o_ptrs = PartOut + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps

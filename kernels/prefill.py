@@ -45,6 +45,7 @@ from kernels.common import (
 from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
 
 _LOG2E = 1.4426950408889634
+_V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals only
 
 
 @triton.jit
@@ -112,14 +113,16 @@ def _prefill_inner(
         else:
             k = tl.load(K + ptrs, mask=d_mask[None, :], other=0.0)
             v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
-        if FP8:
+        if FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
             srow = page * stride_sb + s_head + kv % PAGE  # [BN]
-            if MASKED:
-                k_sc = tl.load(KS + srow, mask=live, other=0.0).to(tl.float32)
-                v_sc = tl.load(VS + srow, mask=live, other=0.0).to(tl.float32)
+            if PAGE < BLOCK_N:
+                srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
             else:
-                k_sc = tl.load(KS + srow).to(tl.float32)
-                v_sc = tl.load(VS + srow).to(tl.float32)
+                srow = tl.max_contiguous(tl.multiple_of(srow, BLOCK_N), BLOCK_N)
+            k_sc = tl.load(KS + srow).to(tl.float32)  # masked below with the scores
+            v_sc = tl.load(VS + srow).to(tl.float32)
+            if MASKED:  # past the end a slot's scale may be anything: 0 * NaN is NaN
+                v_sc = tl.where(live, v_sc, 0.0)
             k = k.to(q.dtype)  # exact
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
@@ -153,7 +156,7 @@ def _prefill_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if FP8:
-            p = p * (v_sc * V_SCALE_SHIFT)[None, :]
+            p = p * (v_sc * _V_SHIFT)[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -262,7 +265,7 @@ def _prefill_kernel(
 
     out = acc / l_i[:, None]
     if FP8:
-        out = out * (1.0 / V_SCALE_SHIFT)  # a power of two: exact
+        out = out * (1.0 / _V_SHIFT)  # a power of two: exact
     tl.store(
         Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),

@@ -42,6 +42,9 @@ from kernels.common import check_kv_pages, pdl_enter, pdl_kwargs, pdl_trigger
 from kernels.kv_quant import FP8_AMAX_FLOOR, FP8_MAX, KV_SCALE_DTYPE, check_kv_scales
 
 assert KV_SCALE_DTYPE == torch.bfloat16, "_fp8_scale rounds the scales to bf16"
+# the format's constants as the kernel sees them (a jit function reads constexpr globals only)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
 
 @triton.jit
@@ -62,7 +65,7 @@ def _e4m3(x, scale):
     2^-6, e4m3's subnormals); a carry into the next binade comes out right. The sign is
     copied bitwise, so -0 stays -0 as in torch."""
     y = tl.math.div_rn(x, scale)
-    a = tl.minimum(tl.abs(y), FP8_MAX)
+    a = tl.minimum(tl.abs(y), _FP8_MAX)
     e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127 - 6)  # biased exponent
     c = ((e + 20) << 23).to(tl.float32, bitcast=True)
     r = (a + c) - c
@@ -75,7 +78,7 @@ def _fp8_scale(amax):
     bf16 (``KV_SCALE_DTYPE``), to nearest even on the float32 bits (the interpreter's
     ``.to(tl.bfloat16)`` truncates; Triton 3.9); returned in float32 [BH], exactly the value
     that is stored. Positive and finite: no sign or NaN to mind."""
-    s = tl.math.div_rn(tl.maximum(amax, FP8_AMAX_FLOOR), FP8_MAX)
+    s = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
     bits = s.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
     return bits.to(tl.float32, bitcast=True)
@@ -216,7 +219,6 @@ def _rope_write_kv_kernel(
         v = tl.load(row + (HQ + HKV) * D + offs_g[:, None] * D + offs_d[None, :], mask=kv_mask,
                     other=0.0)  # fmt: skip
         page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
-        c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
         if QUANT:
             s_off = (slot // PAGE) * stride_sb + slot % PAGE  # head 0's scale of this slot
             _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D,
@@ -226,13 +228,13 @@ def _rope_write_kv_kernel(
             vs = _fp8_scale(tl.max(tl.abs(v), 1))  # [BHKV]
             tl.store(VScale + s_off + offs_g * PAGE, vs.to(VScale.dtype.element_ty),
                      mask=offs_g < HKV)  # fmt: skip
-            tl.store(VCache + c_off, _e4m3(v, vs[:, None]).to(VCache.dtype.element_ty),
-                     mask=kv_mask)  # fmt: skip
-        else:
+            v = _e4m3(v, vs[:, None])
+        else:  # the statements (and so the compiled code) of the kernel before fp8
             _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D,
                         HALF, HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF,
                         BLOCK_PASS)  # fmt: skip
-            tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
+        c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
+        tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
 
 
 def rope_write_kv(
