@@ -18,16 +18,16 @@ layout would read a 32-byte sector for each 2-byte value). Per-token scales need
 calibration and follow each token's own range; checkpoint ``k_scale``/``v_scale`` tensors
 (static per-layer scales) are not used (``flashserve.models.weights``).
 
-Why bf16 scales (2 bytes) rather than float32 (4): the quantization divides by the stored
-(rounded) scale, so rounding the scale moves the e4m3 grid a little, it adds no error of its
-own. The K/V round trip of the default model (SmolLM2-135M, 30 layers, 4,096 tokens of
-README.md; docs/benchmarks/fp8_kv_scales.py) has a relative error of 2.1853e-2 (K) and
-2.4590e-2 (V) with float32 scales, 2.1871e-2 and 2.4598e-2 with bf16 ones (0.08% and 0.03% of
-the error, not of the values). fp16 scales measure the same there, but go subnormal below an
-amax of 0.027 (6.1e-5 * 448); bf16 keeps float32's range. Two bytes beside 128 are 1.6% of a
-token's fp8 K/V at head dim 128, where float32 scales would add 3.1%, and decode reads them
-all. A bf16 scale times an e4m3 value (4 + 8 significant bits) is exact in float32, so the
-kernels' and the reference's dequantized values are the same numbers.
+Why bf16 scales (2 bytes) rather than float32 (4), chosen by accuracy: the quantization
+divides by the stored (rounded) scale, so rounding the scale only moves the e4m3 grid a little.
+The K/V round trip of the default model (SmolLM2-135M, 30 layers, the first 4,096 tokens of the
+repository's text; docs/benchmarks/fp8_kv_scales.py) has a relative error of 2.1842e-2 (K) and
+2.4595e-2 (V) with float32 scales, 2.1861e-2 and 2.4604e-2 with bf16 ones: 0.09% and 0.04% more
+error, not 0.09% of the values. fp16 scales measure as float32's there but go subnormal below
+an amax of 0.027 (6.1e-5 * 448); bf16 keeps float32's range. So the bytes decide: two bytes
+beside 128 are 1.6% of a token's fp8 K/V at head dim 128, float32 scales 3.1%, and decode
+reads them all. A bf16 scale times an e4m3 value (4 + 8 significant bits) is exact in float32,
+so the kernels' and the reference's dequantized values are the same numbers.
 """
 
 from __future__ import annotations
