@@ -420,7 +420,7 @@ class DecodeTuning:
             object.__setattr__(self, "fp8_tiles", tuple(self.fp8_tiles))
             _check_tiles(self.fp8_tiles, "fp8_tiles")
         for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens",
-                     "max_splits"):
+                     "max_splits"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
         if self.short_split_tokens < 0:
