@@ -359,3 +359,20 @@ def test_fp8_inputs_are_checked(change, message):
     with pytest.raises(ValueError, match=message):
         prefill_attention(q, cu_seqlens_q=_cu([1]), seq_lens=kv.seq_lens,
                           block_tables=kv.block_tables, scale=0.2, **args)  # fmt: skip
+
+
+def test_fp8_decode_plan_takes_its_own_tiles_only_when_tuned():
+    """Over an fp8 cache the split plan is bf16's (the same tiles and splits) unless
+    ``DecodeTuning.fp8_tiles`` says otherwise; head dims over 128 keep their wide tiles."""
+    from kernels.decode import DecodeTuning, plan_splits
+
+    for batch, ctx in ((1, 4096), (1, 131072), (8, 16384)):
+        assert plan_splits(batch, 8, 128, 1, ctx, 132, fp8=True) == plan_splits(
+            batch, 8, 128, 2, ctx, 132
+        )
+    tuned = DecodeTuning(fp8_tiles=(128, 4, 3))
+    assert plan_splits(1, 8, 128, 1, 4096, 132, tuned, fp8=True).tiles == (128, 4, 3)
+    assert plan_splits(1, 8, 128, 2, 4096, 132, tuned).tiles != (128, 4, 3)
+    assert plan_splits(1, 8, 256, 1, 4096, 132, tuned, fp8=True).tiles == tuned.wide_tiles
+    with pytest.raises(ValueError, match="fp8_tiles"):
+        DecodeTuning(fp8_tiles=(100, 4, 3))
