@@ -173,6 +173,10 @@ class Info(BaseModel):
     max_total_tokens: int
     router: str = "flashserve"
     prefix_caching: bool  # not TGI's: whether computed prompt prefixes are kept and reused
+    # not TGI's: the KV cache's dtype (fp8: e4m3 with per-token scales) and its pool's size
+    kv_cache_dtype: str
+    kv_cache_tokens: int
+    kv_cache_gib: float
     version: str
     sha: str | None = None
     docker_label: str | None = None

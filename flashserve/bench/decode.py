@@ -9,7 +9,10 @@ with a sliding window reads only the KV of its window's positions, and only thos
 peer, Hugging Face transformers (static cache, SDPA) on the same weights, runs after ours
 and is held to the same byte count (its static cache in fact attends over the whole masked
 cache). Weight bytes are those a step reads: all of them but an untied input embedding, fp8
-projections at one byte per weight plus their float32 scales (``weight_bytes_read``).
+projections at one byte per weight plus their float32 scales (``weight_bytes_read``). KV
+bytes are those of the cache's dtype (``--kv-cache-dtype``): an fp8 cache's one byte a value
+plus its scales (``kernels.kv_quant``); the peer keeps its bf16 cache but is held to the same
+bytes, so under fp8 its roofline column overstates it (``--no-peer``).
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             # their size and dtypes: float8 projections (--quantization fp8, or an fp8
             # checkpoint), with their scales' layout
             "weights": describe_weights(engine.runner.model),
+            "kv_cache_dtype": config.kv_cache_dtype,
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
@@ -116,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             # what decides the longest point that fits: the pool's size, and on CUDA the
             # share of memory it came from (--gpu-memory-utilization)
             "kv_pool_tokens": engine.runner.num_blocks * config.block_size,
+            "kv_pool_gib": engine.runner.kv_cache_bytes / 2**30,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "steps": args.steps,
             **peer_info,

@@ -113,13 +113,13 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T] int64
         ropes: list[Rope],  # the model's tables; this layer reads ropes[self.rope_table]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
+        kv_cache: tuple[torch.Tensor, ...],  # k, v [N, BS, Hkv, D] (+ k/v scales: fp8)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         qkv = self.qkv_proj(x)
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         rope = ropes[self.rope_table]
-        out = self.attn(qkv, positions, rope, *kv_cache, meta, *norms)  # [T, Hq, D]
+        out = self.attn(qkv, positions, rope, kv_cache, meta, *norms)  # [T, Hq, D]
         return self.o_proj(out.view(x.shape[0], -1))
 
 
@@ -174,7 +174,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden]; None in the first layer
         positions: torch.Tensor,  # [T] int64
         ropes: list[Rope],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
+        kv_cache: tuple[torch.Tensor, ...],  # k, v [N, BS, Hkv, D] (+ k/v scales: fp8)
         meta: AttentionMetadata,
         post: RMSNorm | None = None,  # the previous layer's ``output_norm``, for x
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
@@ -229,7 +229,7 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [N, BS, Hkv, D] each
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer: k, v (+ k/v scales: fp8)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         ropes = [(r.cos, r.sin) for r in self.model.rotary_embeddings()]

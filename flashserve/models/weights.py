@@ -20,9 +20,14 @@ from flashserve.models.config import ModelConfig
 from flashserve.models.linear import Linear
 
 # checkpoint tensors that carry no weights of ours: fp8 checkpoints' static activation scales
-# (we quantize activations per token as they come) and their KV-cache scales (an fp8 KV cache
-# computes its own)
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale")
+# (we quantize activations per token as they come)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
+# Static KV-cache scales of FP8 checkpoints with a kv-cache scheme (one per layer for K and V:
+# llm-compressor's ``self_attn.k_scale``/``v_scale``, AutoFP8's ``k_proj.k_scale``/
+# ``v_proj.v_scale``, TGI's ``self_attn.kv_scale``). Our fp8 cache computes a scale per token
+# and KV head where K/V are written (kernels.kv_quant), which needs no calibration and tracks
+# each token's range, so these are accepted and not used.
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 FUSED_CHECKPOINTS = ("phi3",)  # qkv_proj and gate_up_proj stored fused
 _MULTIMODAL_RENAMES = (
     ("model.language_model.", "model."),  # transformers 5
@@ -46,7 +51,7 @@ class Slot(NamedTuple):
 
 def checkpoint_name(name: str, config: ModelConfig) -> str | None:
     """The name ``load_weights`` knows a checkpoint tensor by; None for one to skip."""
-    if name.endswith(_IGNORED_SUFFIXES):
+    if name.endswith(_IGNORED_SUFFIXES) or name.endswith(_KV_SCALE_SUFFIXES):
         return None
     if not config.multimodal_checkpoint:
         return name
