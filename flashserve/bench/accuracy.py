@@ -6,13 +6,14 @@ fields of ``BASELINE_RESETS`` (the KV cache's dtype, and weight quantization whe
 has it) back at their defaults, changed further by ``--baseline FIELD=VALUE``. The two engines
 run one after the other (a GPU need not hold both), each measured two ways:
 
-- teacher forcing over a fixed text that ships with the repository (README.md and docs,
-  ``--text`` to choose others), its first ``--tokens`` tokens prefilled as one sequence through
-  the engine's normal path (``LLMEngine.prompt_logits``: chunks of the step budget, the K/V
-  written to the cache in its dtype and read back by the attention). Per position ``i``
-  (predicting token ``i + 1``): whether both engines' argmax agree, ``KL(baseline || setting)``
-  of the two next-token distributions (nats), and each engine's log-likelihood of the text's
-  token, whence its perplexity ``exp(mean NLL)``;
+- teacher forcing over a fixed text that ships with the package (``eval_text.md``: the
+  project's README and two of its docs as they stood on 2026-11-24, frozen so that numbers
+  from different commits compare; ``--text`` to choose others), its first ``--tokens`` tokens
+  prefilled as one sequence through the engine's normal path (``LLMEngine.prompt_logits``:
+  chunks of the step budget, the K/V written to the cache in its dtype and read back by the
+  attention). Per position ``i`` (predicting token ``i + 1``): whether both engines' argmax
+  agree, ``KL(baseline || setting)`` of the two next-token distributions (nats), and each
+  engine's log-likelihood of the text's token, whence its perplexity ``exp(mean NLL)``;
 - greedy generation (``temperature 0``, ``--max-new-tokens``) of ``--prompts`` fixed prompts
   (``prompts``: tasks x subjects, through the chat template when the model has one): how many
   outputs match the baseline's exactly, and the mean length of the common prefix.
@@ -32,14 +33,15 @@ from typing import Any
 
 import torch
 
-import flashserve
 from flashserve.bench.report import publish, run_metadata, table
 from flashserve.cli import args as cli
 from flashserve.config import EngineConfig
 
 # fields the baseline takes at their defaults: the settings being measured
 BASELINE_RESETS = ("kv_cache_dtype", "quantization")
-DEFAULT_TEXTS = ("README.md", "docs/gpu-checks.md", "docs/benchmarks/kernels.md")
+# README.md, docs/gpu-checks.md and docs/benchmarks/kernels.md at commit fa9f010, joined by
+# blank lines: English and technical prose of our own, fixed (the live files change)
+DEFAULT_TEXT = Path(__file__).with_name("eval_text.md")
 TASKS = (
     "Explain in a few sentences how {} works.",
     "Write a short story about {}.",
@@ -67,8 +69,8 @@ def prompts(n: int) -> list[str]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", action="append", metavar="FILE",
-                        help="the teacher-forced text, these files concatenated (default: the "
-                        f"repository's {', '.join(DEFAULT_TEXTS)})")  # fmt: skip
+                        help="the teacher-forced text, these files concatenated (default: "
+                        f"{DEFAULT_TEXT.name}, shipped with flashserve)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=4096,
                         help="teacher-forced tokens, the text's first (default 4096)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=50, help="greedy prompts (default 50)")
@@ -157,17 +159,12 @@ def config_diff(a: EngineConfig, b: EngineConfig) -> dict[str, Any]:
 
 
 def read_text(files: list[str] | None) -> tuple[list[str], str]:
-    """The teacher-forced text: ``files`` concatenated, by default the repository's
-    ``DEFAULT_TEXTS`` (found beside the ``flashserve`` package: a source checkout)."""
-    if files:
-        paths = [Path(f) for f in files]
-    else:
-        root = Path(flashserve.__file__).resolve().parents[1]
-        paths = [root / name for name in DEFAULT_TEXTS]
+    """The teacher-forced text: ``files`` concatenated (blank lines between), by default
+    ``DEFAULT_TEXT``."""
+    paths = [Path(f) for f in files] if files else [DEFAULT_TEXT]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise cli.CLIError(f"no text file {missing[0]} (a source checkout has the default "
-                           "ones; --text FILE chooses others)", status=2)  # fmt: skip
+        raise cli.CLIError(f"no text file {missing[0]}", status=2)
     return [str(p) for p in paths], "\n\n".join(p.read_text() for p in paths)
 
 
