@@ -48,6 +48,9 @@ class EngineConfig:
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt
     enable_prefix_caching: bool = True
+    # ranks the model is split over (Megatron-style tensor parallelism, one process and one
+    # GPU each: cuda:0..N-1, or from cuda:K on; on a CPU every rank shares it, over gloo)
+    tensor_parallel_size: int = 1
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
 
     def __post_init__(self) -> None:
@@ -71,7 +74,8 @@ class EngineConfig:
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":
             raise ValueError("pdl_chain needs the triton attention backend")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
@@ -82,6 +86,19 @@ class EngineConfig:
             raise ValueError(f"max_kv_tokens must be >= block_size ({self.block_size})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size > 1 and self.is_cuda:
+            self._check_gpus()
+
+    def _check_gpus(self) -> None:
+        """Enough GPUs on this host for one per rank (under torchrun, each host has its
+        own ranks: torchrun checked them)."""
+        from flashserve.engine.parallel import missing_gpus, torchrun_env
+
+        if torchrun_env() is not None:
+            return
+        why = missing_gpus(self.device, self.tensor_parallel_size, torch.cuda.device_count())
+        if why:
+            raise ValueError(why)
 
     @property
     def torch_dtype(self) -> torch.dtype:

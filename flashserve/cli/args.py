@@ -76,6 +76,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "that start with the same tokens (default: on)",
     )
     g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="split the model over N ranks, one process and one GPU each (cuda:0..N-1): "
+        "attention heads, MLP and vocabulary; NCCL on CUDA, gloo on a CPU (default: 1). "
+        "Across hosts: run the same command under torchrun on each (README)",
+    )
+    g.add_argument(
         "--pdl-chain",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -108,15 +108,15 @@ class DecodeGraphs:
         self.backend.replay_metadata(plan, bucket, upload)
         return bucket
 
-    def replay(self, b: int, bucket: int, source: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def input_ids(self, b: int) -> torch.Tensor:
+        """The static input ids of a batch of ``b`` (a look-ahead step's runner writes its
+        tokens there, after staging and before ``replay``)."""
+        return self.staging.fixed["input_ids"][:b]
+
+    def replay(self, b: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the staged step (its upload sent): logits [B, V] float32 and the greedy picks
         [2, bucket] float64 (the whole bucket: read back as it is, one contiguous copy; rows
-        past B are padding). With ``source`` (token ids on the device), the staged input ids
-        are indices into it: the input tokens are gathered there first."""
-        if source is not None:
-            ids = self.staging.fixed["input_ids"][:b]
-            ids.copy_(source[ids])
+        past B are padding)."""
         graph, logits, greedy = self.graphs[bucket]
         graph.replay()
         return logits[:b], greedy

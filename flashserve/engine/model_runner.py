@@ -5,6 +5,13 @@ layer), the sampler and the staging that every host-to-device copy of a step goe
 step is built once on the host (``StepPlan``), sent in one upload, and then run one of two
 ways (``_run``): by replaying a captured CUDA graph (decode-only steps) or eagerly. The
 attention backend builds the step's ``AttentionMetadata``, shared by every layer.
+
+Tensor parallelism: every rank has a runner over its share of the model (its KV heads' pool,
+of the block count all ranks agree on: the smallest). Rank 0's runner sends each step's plan
+to the other ranks (``peers``) once its own inputs are staged, then runs the same forward;
+the workers' runners ``follow`` those plans and sample nothing. From that send to the end of
+the forward the ranks meet in collectives: a failure there leaves them out of step, so the
+engine is dead (``EngineDeadError``) rather than retrying the step.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 
 from flashserve.config import EngineConfig
 from flashserve.engine.block_manager import peak_blocks
+from flashserve.engine.errors import EngineDeadError
 from flashserve.engine.sequence import Sequence
 from flashserve.engine.staging import Staging, Upload
 from flashserve.engine.step_plan import StepPlan
@@ -66,25 +74,32 @@ class Launched:
 
 
 class ModelRunner:
-    """Holds the model and its KV cache; ``execute`` runs one scheduled step."""
+    """Holds the model and its KV cache; ``execute`` runs one scheduled step.
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config):
+    ``peers``: rank 0's handle on the other tensor-parallel ranks (``TPWorkers``); a worker's
+    runner has none, and no sampler."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config,
+                 peers=None):  # fmt: skip
         self.config = config
         self.model = model
         self.model_config = model_config
+        self.tp = model.tp
+        self.peers = peers
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         mc = model_config
-        self.kv_shape = (config.block_size, mc.num_key_value_heads, mc.head_dim)
+        kv_heads = model.rank_config.num_key_value_heads  # this rank's
+        self.kv_shape = (config.block_size, kv_heads, mc.head_dim)
         self.kv_bytes_per_token = (
-            2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+            2 * mc.num_hidden_layers * kv_heads * mc.head_dim
             * torch.empty((), dtype=config.torch_dtype).element_size()
         )  # fmt: skip
-        self.num_blocks = self._plan_num_blocks()
+        self.num_blocks = self.tp.min_int(self._plan_num_blocks())  # valid on every rank
         self.max_model_len = self._resolve_max_model_len()
         model.ensure_positions(self.max_model_len)
         self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
-        self.sampler = Sampler(mc.vocab_size, self.device)
+        self.sampler = Sampler(mc.vocab_size, self.device) if self.tp.rank == 0 else None
         self.backend = model.backend
         self.staging = Staging(self.device)  # eager steps' uploads; graphs spill into it
         self._landing = self._landing_buffers()
@@ -147,12 +162,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        mc = self.model_config
+        mc = self.model.rank_config  # this rank's MLP width; the logits are gathered whole
         tokens = self.config.max_num_batched_tokens
         # activations of the widest step: a few hidden-size and MLP-size buffers per token,
         # plus fp32 logits for up to max_num_seqs rows; doubled for the allocator's slack
         act = tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size) * 4
-        act += self.config.max_num_seqs * mc.vocab_size * 4 * 3
+        act += self.config.max_num_seqs * self.model_config.vocab_size * 4 * 3
         return int(total * self.config.gpu_memory_utilization - used - 2 * act)
 
     def _model_len_limit(self) -> int:
@@ -234,21 +249,62 @@ class ModelRunner:
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(plan) else None
         greedy_in_graph = graphs is not None and Sampler.plain_greedy(plan.sampling)
         upload = (graphs.staging if graphs is not None else self.staging).begin()
+        inputs = bucket = None
         if graphs is not None:
             bucket = graphs.stage(plan, upload)
         else:
             inputs = self.stage(plan, upload)
         batch = None
-        if plan.sampling and not greedy_in_graph:
+        if plan.sampling and not greedy_in_graph and self.sampler is not None:
             batch = self.sampler.prepare(plan.sampling, ahead=plan.ahead, upload=upload)
         upload.send()
-        if graphs is not None:
-            logits, picks = graphs.replay(plan.batch_size, bucket, source)
-            if greedy_in_graph:
-                return picks
-        else:
-            logits = self._forward_eager(plan, inputs, source)
+        logits, picks = self._forward(plan, graphs, bucket, inputs, source)
+        if greedy_in_graph:
+            return picks
         return None if batch is None else self.sampler(logits, batch)
+
+    def _forward(self, plan: StepPlan, graphs, bucket: int | None, inputs: StepInputs | None,
+                 source: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+        """The staged step's forward (the other ranks told first): its logits, and with a
+        graph the greedy picks too. A failure between the ranks' meetings is fatal."""
+        try:
+            if self.peers is not None:
+                self.peers.send(plan)
+            if graphs is None:
+                return self._forward_eager(plan, inputs, source), None
+            if plan.ahead:
+                self._ahead_inputs(graphs.input_ids(plan.batch_size), source)
+            return graphs.replay(plan.batch_size, bucket)
+        except Exception as exc:
+            if self.tp.size == 1:
+                raise
+            why = self.peers.dead_reason(wait=1.0) if self.peers is not None else None
+            raise EngineDeadError(why or f"a tensor-parallel step failed after its ranks "
+                                  f"started it: {type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+    def _ahead_inputs(self, ids: torch.Tensor, source: torch.Tensor | None) -> None:
+        """A look-ahead step's input tokens into ``ids`` (row indices into the step before's
+        picks, on rank 0 ``source``): gathered on rank 0's device, then broadcast to the other
+        ranks, whose runners never see the picks."""
+        if source is not None:
+            ids.copy_(source[ids])
+        self.tp.broadcast_(ids)
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A worker's part of a step that rank 0 runs: the same forward, over this rank's
+        shard, sampling nothing."""
+        self._run(plan)
+
+    def check_alive(self) -> None:
+        """EngineDeadError once a tensor-parallel worker has died."""
+        if self.peers is not None:
+            self.peers.check_alive()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.peers is not None:
+            self.peers.close()
 
     def stage(self, plan: StepPlan, upload: Upload) -> StepInputs:
         """An eager step's tensors, added to ``upload`` (usable once it is sent)."""
@@ -262,8 +318,8 @@ class ModelRunner:
                        source: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
         """The model without a graph: logits [N, V] fp32 of the sampled rows, None when no
         row samples. ``source``: the input ids are indices into it."""
-        if source is not None:
-            inputs.input_ids.copy_(source[inputs.input_ids])
+        if plan.ahead:
+            self._ahead_inputs(inputs.input_ids, source)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not plan.sample_rows:
             return None

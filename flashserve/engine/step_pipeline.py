@@ -22,17 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from flashserve.config import EngineConfig
+from flashserve.engine.errors import EngineDeadError
 from flashserve.engine.model_runner import Launched, ModelRunner, SampledToken
 from flashserve.engine.scheduler import Scheduler, SchedulerOutput
 from flashserve.engine.sequence import Sequence, SequenceStatus
 from flashserve.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot go on (its CUDA context failed): every request fails, and the
-    process should be restarted."""
 
 
 @dataclass
@@ -142,7 +138,9 @@ class StepPipeline:
 
     def _check_device(self, exc: Exception) -> None:
         """Raise ``EngineDeadError`` if ``exc`` left the CUDA context unusable (a device-side
-        assert poisons it: every later call fails), where retrying cannot help."""
+        assert poisons it: every later call fails), or a tensor-parallel rank died, where
+        retrying cannot help."""
+        self.runner.check_alive()
         if not self.config.is_cuda:
             return
         try:

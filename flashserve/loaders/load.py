@@ -3,7 +3,9 @@
 A spec is None (the embedded default model, SmolLM2-135M-Instruct), a Hugging Face
 directory, a ``.gguf`` file, or ``dummy:<preset>`` (random weights of a real model's shape).
 The model is allocated once, on the target device in the target dtype, and the weights are
-streamed into it one tensor at a time.
+streamed into it one tensor at a time. A tensor-parallel rank (``tp``) allocates only its share
+and reads only its part of each tensor (``flashserve.models.sharding``): slices of the
+safetensors files; GGUF tensors are dequantized whole, one at a time, then cut.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
 from flashserve.models.decoder import build_model, init_random
 from flashserve.models.presets import preset_config
+from flashserve.models.sharding import SINGLE, TPComm
 from flashserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,20 +52,22 @@ def load_model(
     attention_backend: str,
     seed: int = 0,
     pdl_chain: bool = True,
+    tp: TPComm = SINGLE,
 ) -> LoadedModel:
     """The model ``spec`` names, on ``device`` in ``dtype``, attending with the named backend
     (``torch`` or ``triton``, its kernels in the PDL chain if ``pdl_chain``); ``seed`` seeds
-    dummy weights."""
+    dummy weights. ``tp``: this rank's share of the model (ValueError, before any weight is
+    read, if the model does not split over its ranks)."""
     backend = load_backend(attention_backend, pdl_chain)
     if spec is None:
-        return _load_gguf(default_model_path(), device, dtype, backend)
+        return _load_gguf(default_model_path(), device, dtype, backend, tp)
     if spec.startswith("dummy:"):
-        return _load_dummy(spec.removeprefix("dummy:"), device, dtype, backend, seed)
+        return _load_dummy(spec.removeprefix("dummy:"), device, dtype, backend, seed, tp)
     path = pathlib.Path(spec).expanduser()
     if path.is_dir():
-        return _load_hf(path, device, dtype, backend)
+        return _load_hf(path, device, dtype, backend, tp)
     if path.suffix == ".gguf" and path.is_file():
-        return _load_gguf(path, device, dtype, backend)
+        return _load_gguf(path, device, dtype, backend, tp)
     raise FileNotFoundError(
         f"model {spec!r} is not a Hugging Face directory, an existing .gguf file, or dummy:<preset>"
     )
@@ -91,13 +96,14 @@ def _package_files() -> list[pathlib.Path]:
     return found
 
 
-def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
+def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
+             tp: TPComm) -> LoadedModel:  # fmt: skip
     config = hf_source.read_config(path)
     tokenizer = Tokenizer.from_dir(path)  # before the weights: fail fast
     checkpoint = hf_source.Checkpoint.open(path)  # every file's header checked, no data read
-    model = build_model(config, backend, device, dtype)
+    model = build_model(config, backend, device, dtype, tp=tp)
     try:
-        model.load_weights(checkpoint.weights())
+        model.load_weights(checkpoint.weights(model.tensor_shard if tp.size > 1 else None))
     except WeightsError:
         raise
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
@@ -105,7 +111,8 @@ def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> Lo
     return LoadedModel(model, config, tokenizer, config.name)
 
 
-def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> LoadedModel:
+def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
+               tp: TPComm) -> LoadedModel:  # fmt: skip
     header = read_gguf_header(path)  # the whole header checked, every tensor there: no data read
     reader = gguf_source.open_reader(path)
     config = gguf_source.read_config(reader, header.metadata, name=path.stem)
@@ -113,17 +120,21 @@ def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend) -> 
         tokenizer = Tokenizer.from_gguf(header.metadata)
     except ValueError as exc:  # the file's tokenizer.ggml.* keys, missing or inconsistent
         raise WeightsError(path, str(exc)) from exc
-    model = build_model(config, backend, device, dtype)
+    model = build_model(config, backend, device, dtype, tp=tp)
+    weights = gguf_source.iter_weights(reader, config)
+    if tp.size > 1:
+        weights = ((name, model.tensor_shard(name, tuple(w.shape)).take(w)) for name, w in weights)
     try:
-        model.load_weights(gguf_source.iter_weights(reader, config))
+        model.load_weights(weights)
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
         raise WeightsError(path, str(exc)) from exc
     return LoadedModel(model, config, tokenizer, config.name)
 
 
-def _load_dummy(preset: str, device: str, dtype: torch.dtype, backend, seed: int) -> LoadedModel:
+def _load_dummy(preset: str, device: str, dtype: torch.dtype, backend, seed: int,
+                tp: TPComm) -> LoadedModel:  # fmt: skip
     config = preset_config(preset)
-    model = build_model(config, backend, device, dtype)
+    model = build_model(config, backend, device, dtype, tp=tp)
     init_random(model, seed)
     eos = config.eos_token_ids[0]
     tokenizer = Tokenizer.byte_level(config.vocab_size, config.bos_token_id, eos)

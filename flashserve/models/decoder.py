@@ -32,6 +32,7 @@ from flashserve.models.attention import (
 )
 from flashserve.models.config import ModelConfig
 from flashserve.models.rope import RotaryEmbedding
+from flashserve.models.sharding import SINGLE, Shard, TPComm, rank_config, tensor_shard
 from flashserve.models.weights import check_complete, checkpoint_name, weight_slots
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin tables [P, R/2]
@@ -135,8 +136,10 @@ class DecoderLayer(nn.Module):
     the layer returns its MLP output un-normed and ``output_norm`` names the norm the next
     layer (or the model's final norm) must apply to it first."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
+                 *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
+        self.tp = tp  # row-parallel o_proj and down_proj: their outputs summed over ranks
         self.input_layernorm = _norm(config, backend)
         self.self_attn = Attention(config, backend, layer)
         self.post_attention_layernorm = _norm(config, backend)
@@ -166,21 +169,21 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual, post)
-        x = self.self_attn(x, positions, ropes, kv_cache, meta)
+        x = self.tp.all_reduce(self.self_attn(x, positions, ropes, kv_cache, meta))
         if self.sandwich:  # post_attention_layernorm, the add, pre_feedforward_layernorm
             x, residual = self.pre_feedforward_layernorm(x, residual,
                                                          self.post_attention_layernorm)  # fmt: skip
-            return self.mlp(x), residual  # post_feedforward_layernorm: the next norm's
+            return self.tp.all_reduce(self.mlp(x)), residual  # post_feedforward: the next norm's
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.tp.all_reduce(self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, *, tp: TPComm = SINGLE):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, i, tp=tp) for i in range(config.num_hidden_layers)
         )
         self.norm = _norm(config, backend)
         self.rotary_emb = RotaryEmbedding(config)  # the global layers'
@@ -193,16 +196,23 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Decoder plus LM head; parameters never require grad."""
+    """Decoder plus LM head; parameters never require grad.
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+    With ``tp`` of several ranks the model is this rank's share (``flashserve.models.sharding``):
+    ``config`` is the whole model's, ``rank_config`` the shape of the share (its heads, KV
+    heads, MLP width, vocabulary rows), which the layers are built with."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *,
+                 tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.rank_config = rank_config(config, tp.size)
         self.backend = attn_backend  # its metadata and graph hooks serve the model runner
-        self.model = DecoderModel(config, attn_backend)
+        self.model = DecoderModel(self.rank_config, attn_backend, tp=tp)
         self.lm_head = None  # tied: compute_logits uses the embedding matrix
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.rank_config.vocab_size, bias=False)
         self._embed_scales: dict[torch.dtype, float] = {}
         self.requires_grad_(False)
 
@@ -223,13 +233,25 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """The token embeddings, times ``embed_scale`` rounded to their dtype first (as
         transformers' Gemma does: sqrt(3072) is 55.5 in bf16)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self._lookup(input_ids)
         if self.config.embed_scale == 1.0:
             return x
         if x.dtype not in self._embed_scales:
             scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
             self._embed_scales[x.dtype] = scale.item()
         return x * self._embed_scales[x.dtype]
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The embedding rows of ``input_ids``; vocabulary-parallel: each rank's rows, zeros
+        for ids outside them, summed over the ranks."""
+        table = self.model.embed_tokens
+        if self.tp.size == 1:
+            return table(input_ids)
+        rows = table.num_embeddings
+        local = input_ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = table(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def ensure_positions(self, num_positions: int) -> None:
         """Serve positions up to ``num_positions - 1`` (the engine's max_model_len): grows
@@ -238,9 +260,13 @@ class DecoderForCausalLM(nn.Module):
             rotary.resize(num_positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        """float32 logits, soft-capped (``cap * tanh(logits / cap)``) when the config says."""
+        """float32 logits, soft-capped (``cap * tanh(logits / cap)``) when the config says;
+        vocabulary-parallel: each rank's columns, gathered (every rank gets them all), the
+        padding dropped, then capped."""
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         logits = self.backend.linear(hidden, head.weight).float()
+        if self.tp.size > 1:
+            logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcap
         return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
@@ -270,16 +296,24 @@ class DecoderForCausalLM(nn.Module):
 
     def _weight_slots(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
         """Hugging Face name -> (our parameter, first row, rows or None for all of it)."""
-        return weight_slots(self, self.config)
+        return weight_slots(self, self.rank_config)
+
+    def tensor_shard(self, name: str, shape: tuple[int, ...] | None = None) -> Shard:
+        """This rank's part of the checkpoint tensor (or parameter) ``name``
+        (``sharding.tensor_shard``); the loaders read only that part."""
+        name = checkpoint_name(name, self.config) or name
+        return tensor_shard(name, self.config, self.tp.rank, self.tp.size, shape)
 
 
 def build_model(
-    config: ModelConfig, attn_backend: AttentionBackend, device: str, dtype: torch.dtype
-) -> DecoderForCausalLM:
+    config: ModelConfig, attn_backend: AttentionBackend, device: str, dtype: torch.dtype,
+    *, tp: TPComm = SINGLE,
+) -> DecoderForCausalLM:  # fmt: skip
     """A model with uninitialised weights allocated once, directly on ``device`` in ``dtype``
-    (the RoPE tables are computed); fill it with ``load_weights`` or ``init_random``."""
+    (the RoPE tables are computed); fill it with ``load_weights`` or ``init_random``. With
+    ``tp`` of several ranks: this rank's share only."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, attn_backend)
+        model = DecoderForCausalLM(config, attn_backend, tp=tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     for rotary in model.model.rotary_embeddings():
         rotary.build()
@@ -289,14 +323,26 @@ def build_model(
 @torch.no_grad()
 def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
     """Dummy weights: norms the identity (1, or 0 for Gemma's ``1 + w``), biases 0,
-    everything else N(0, std), from ``seed``."""
+    everything else N(0, std), from ``seed``. A rank's share draws each whole tensor and
+    keeps its part: the same weights whatever the tensor-parallel size."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     identity = 0.0 if model.config.norm_unit_offset else 1.0
+    whole = _whole_shapes(model) if model.tp.size > 1 else {}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(identity)
         elif name.endswith(".bias"):
             p.zero_()
+        elif name in whole:
+            w = torch.empty(whole[name], dtype=p.dtype, device=device)
+            p.copy_(model.tensor_shard(name).take(w.normal_(0.0, std, generator=gen)))
         else:
             p.normal_(0.0, std, generator=gen)
+
+
+def _whole_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in the whole (unsharded) model."""
+    with torch.device("meta"):
+        whole = DecoderForCausalLM(model.config, model.backend)
+    return {name: tuple(p.shape) for name, p in whole.named_parameters()}
