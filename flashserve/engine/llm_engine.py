@@ -29,8 +29,8 @@ from flashserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from flashserve.engine.step_pipeline import EngineDeadError, StepPipeline, StepResult
 from flashserve.engine.stop_strings import StopMatcher
 from flashserve.engine.tp_workers import TPWorkers
-from flashserve.loaders.load import load_model
-from flashserve.models.sharding import SINGLE
+from flashserve.loaders.load import load_model, read_model_config
+from flashserve.models.sharding import SINGLE, check_shardable
 from flashserve.sampling.params import SamplingParams
 from flashserve.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -58,7 +58,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         workers = None
-        if self.config.tensor_parallel_size > 1:
+        if self.config.tensor_parallel_size > 1:  # a model that cannot split fails first
+            check_shardable(read_model_config(self.config.model), self.config.tensor_parallel_size)
             workers = TPWorkers.start(self.config)
         try:
             loaded = load_model(

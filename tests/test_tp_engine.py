@@ -1,0 +1,157 @@
+"""The engine on two tensor-parallel ranks (CPU, gloo): the engine's process is rank 0 and
+starts rank 1 itself.
+
+- ``AsyncLLM`` (the server's engine) on two ranks gives one rank's tokens, greedy and seeded
+  sampling, through chunked prefill, prefix caching and async scheduling (look-ahead steps,
+  whose input tokens rank 0 broadcasts);
+- a worker killed mid-generation: the open requests end with an error, the engine reports
+  dead, nothing hangs (bounded waits);
+- start-up refusals in one line: heads that do not divide (before any worker starts), more
+  ranks than GPUs (the check's logic, without a GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+import transformers
+from test_model_archs import SHAPE, save_checkpoint
+
+from flashserve.cli.main import main
+from flashserve.config import EngineConfig
+from flashserve.engine.async_llm import AsyncLLM
+from flashserve.engine.llm_engine import LLM, EngineDeadError, LLMEngine
+from flashserve.engine.parallel import missing_gpus, rank_device
+from flashserve.sampling.params import SamplingParams
+
+NEW = 12
+ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=10,
+              max_kv_tokens=2048, enable_prefix_caching=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Qwen2 (q/k/v biases), four heads and two KV heads: one KV head on each rank."""
+    path = tmp_path_factory.mktemp("qwen2")
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**SHAPE))
+    save_checkpoint(hf, path, "5.x")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint):
+    llm = AsyncLLM(EngineConfig(model=checkpoint, tensor_parallel_size=2, async_scheduling=True,
+                                **ENGINE))  # fmt: skip
+    llm.start()
+    yield llm
+    llm.shutdown()
+
+
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    """Prompts that share a 40-token prefix (prefix-cache hits after the first), of lengths
+    that cross the 10-token chunks; greedy, and seeded sampling."""
+    prefix = torch.randint(3, 500, (40,)).tolist()
+    greedy = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=NEW, temperature=0.8, top_p=0.9, seed=5,
+                             ignore_eos=True)  # fmt: skip
+    tails = [torch.randint(3, 500, (n,)).tolist() for n in (7, 23, 1)]
+    return [(prefix + tails[0], greedy), (prefix + tails[1], sampled), (prefix + tails[2], greedy),
+            (torch.randint(3, 500, (15,)).tolist(), greedy)]  # fmt: skip
+
+
+async def _generate(llm: AsyncLLM, prompt: list[int], params: SamplingParams) -> list:
+    outs = [out async for out in llm.generate(prompt, params)]
+    assert outs[-1].finish_reason == "length", outs[-1]
+    return [t.id for o in outs for t in o.new_tokens]
+
+
+def test_two_ranks_generate_what_one_does(checkpoint, two_ranks):
+    reqs = _requests()
+    with LLM(EngineConfig(model=checkpoint, **ENGINE)) as one:
+        want = [c.token_ids for c in one.generate([p for p, _ in reqs], [s for _, s in reqs])]
+
+    async def run() -> list[list[int]]:
+        first = await _generate(two_ranks, *reqs[0])  # its prefix's blocks are then cached
+        rest = await asyncio.gather(*(_generate(two_ranks, *r) for r in reqs[1:]))
+        return [first, *rest]
+
+    got = asyncio.run(asyncio.wait_for(run(), 120))
+    assert got == want
+    assert two_ranks.engine.scheduler.prefix_cache_hits > 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_killed_worker_fails_the_open_requests_and_the_engine(two_ranks):
+    """(Runs after the test above: it leaves the module's engine dead.)"""
+    worker = two_ranks.engine.runner.peers.procs[1]
+    params = SamplingParams(max_new_tokens=240, temperature=0, ignore_eos=True)
+
+    async def stream(prompt: list[int], first: asyncio.Event) -> list:
+        outs = []
+        async for out in two_ranks.generate(prompt, params):
+            outs.append(out)
+            first.set()
+        return outs
+
+    async def run() -> list:
+        firsts = [asyncio.Event() for _ in range(2)]
+        tasks = [asyncio.ensure_future(stream([5 + i] * (3 + i), f)) for i, f in enumerate(firsts)]
+        await asyncio.gather(*(f.wait() for f in firsts))  # both are decoding
+        os.kill(worker.pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    t0 = time.monotonic()
+    streams = asyncio.run(asyncio.wait_for(run(), 60))
+    assert time.monotonic() - t0 < 30
+    for outs in streams:
+        last = outs[-1]
+        assert last.finish_reason == "error" and "rank 1 died (signal 9)" in last.error, last
+        assert 0 < len(outs) - 1 < 240
+    assert not two_ranks.is_running
+    with pytest.raises(EngineDeadError, match="rank 1 died"):
+        two_ranks.engine.check_alive()
+
+
+# ---- start-up refusals ----------------------------------------------------------------------
+
+
+def test_heads_that_do_not_divide_are_refused_before_any_worker_starts(capsys):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="size 3 does not divide its 4 attention heads"):
+        LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", tensor_parallel_size=3))
+    assert time.monotonic() - t0 < 5  # no worker was started (each imports torch: seconds)
+    status = main(["generate", "hi", "--model", "dummy:tiny", "--device", "cpu",
+                   "--tensor-parallel-size", "3"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert err.strip() == (
+        "flashserve generate: error: cannot load the model dummy:tiny: tensor-parallel size 3 "
+        "does not divide its 4 attention heads nor its 2 KV heads (neither a multiple nor a "
+        "divisor of 3) nor its MLP width 128"
+    )
+
+
+def test_more_ranks_than_gpus_are_refused(monkeypatch, capsys):
+    """The check's logic, and the config and CLI refusing, with torch made to see 1 GPU."""
+    assert missing_gpus("cuda", 2, 2) is None and missing_gpus("cpu", 8, 0) is None
+    assert missing_gpus("cuda:1", 2, 2) == ("tensor_parallel_size 2 needs 2 GPUs from cuda:1 "
+                                            "on, one per rank; torch sees 2")  # fmt: skip
+    assert [rank_device("cuda", r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert rank_device("cuda:2", 1) == "cuda:3" and rank_device("cpu", 1) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 2 GPUs, one per rank; torch sees 1"):
+        EngineConfig(device="cuda", tensor_parallel_size=2)
+    status = main(["generate", "hi", "--device", "cuda", "--tensor-parallel-size", "4"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.strip() == (
+        "flashserve generate: error: tensor_parallel_size 4 needs 4 GPUs, one per rank; "
+        "torch sees 1"
+    ), err
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(device="cpu", tensor_parallel_size=0)
