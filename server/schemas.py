@@ -173,6 +173,7 @@ class Info(BaseModel):
     max_total_tokens: int
     router: str = "flashserve"
     prefix_caching: bool  # not TGI's: whether computed prompt prefixes are kept and reused
+    tensor_parallel_size: int = 1  # not TGI's: the ranks (GPUs) the model is split over
     version: str
     sha: str | None = None
     docker_label: str | None = None

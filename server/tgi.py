@@ -45,6 +45,7 @@ async def info(request: Request) -> Info:
         max_input_tokens=llm.max_model_len - 1,
         max_total_tokens=llm.max_model_len,
         prefix_caching=llm.config.enable_prefix_caching,
+        tensor_parallel_size=llm.config.tensor_parallel_size,
         version=flashserve.__version__,
     )
 
