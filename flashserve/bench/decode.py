@@ -9,6 +9,11 @@ with a sliding window reads only the KV of its window's positions, and only thos
 peer, Hugging Face transformers (static cache, SDPA) on the same weights, runs after ours
 and is held to the same byte count (its static cache in fact attends over the whole masked
 cache). Weight bytes are those a step reads: all of them but an untied input embedding.
+
+With ``--tensor-parallel-size N`` the bytes and the bandwidth are rank 0's: its share of the
+weights and of the KV (its KV heads), over its own GPU's copy bandwidth, so the roofline is
+one GPU's (the N GPUs read in parallel; the all-reduces are the overhead it does not count).
+The peer does not run then (transformers holds the whole model on one device).
 """
 
 from __future__ import annotations
@@ -89,8 +94,11 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth(device)  # before the model takes the memory
     engine = cli.load_engine(LLMEngine, config)
     graphs = engine.runner.graphs is not None  # before the peer frees them
-    points = _run_ours(engine, args)
-    peer_info = _run_peer(engine, args, points)
+    try:
+        points = _run_ours(engine, args)
+        peer_info = _run_peer(engine, args, points)
+    finally:
+        engine.close()
     weights = ours_mod.weight_bytes_read(engine)
     kv_per_token = engine.runner.kv_bytes_per_token
     for p in points:
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
+            "tensor_parallel_size": config.tensor_parallel_size,  # the bytes are rank 0's
             "pdl_chain": pdl_chain(device, config.pdl_chain),  # in effect: sm_90+ only
             "copy_bandwidth_gbs": bandwidth / 1e9,
             "weight_bytes_read": weights,
@@ -209,6 +218,8 @@ def _make_peer(engine, args: argparse.Namespace):
     """(the peer, None), or (None, why there is none)."""
     if args.no_peer:
         return None, "--no-peer"
+    if engine.config.tensor_parallel_size > 1:
+        return None, "tensor parallel: the peer would hold the whole model on one device"
     try:
         from flashserve.bench.decode_peer import Peer, PeerUnavailable
     except ImportError:
