@@ -20,7 +20,7 @@ from gguf_writer import write_gguf
 from model_utils import describe_diff, rel_err
 from safetensors.torch import save_file
 from test_model_archs import CASES, SHAPE, VOCAB, save_checkpoint
-from tp_harness import RankPair, greedy_logits
+from tp_harness import RankPair, check_runner_collectives, greedy_logits
 
 from flashserve.loaders.hf import Checkpoint
 from flashserve.models.config import ModelConfig
@@ -179,6 +179,13 @@ def pair():
     ranks = RankPair()
     yield ranks
     ranks.close()
+
+
+def test_ranks_agree_on_the_kv_pool_and_take_rank_0_s_tokens(pair):
+    """Each rank sizes its pool from its own device's memory; the block tables of the one
+    scheduler hold for all only at the smallest count."""
+    assert pair.run(check_runner_collectives, [1000, 640], [7, 3, 11])
+    assert pair.run(check_runner_collectives, [512, 4096], [1])
 
 
 def _check_pair(pair: RankPair, spec: str, prompt: list[int], max_model_len=None) -> None:

@@ -113,3 +113,12 @@ def greedy_logits(
             step = [([tokens[-1]], len(prompt) + i)]
             logits.append(run_chunks(model, caches, table, step, BLOCK)[0][0])
     return full, torch.stack(logits), tokens
+
+
+def check_runner_collectives(tp: TPComm, blocks: list[int], tokens: list[int]) -> bool:
+    """On every rank: the KV pool's block count agreed as the ranks' smallest (rank r offers
+    ``blocks[r]``), and rank 0's look-ahead tokens broadcast into every rank's buffer."""
+    assert tp.min_int(blocks[tp.rank]) == min(blocks)
+    ids = torch.tensor(tokens if tp.rank == 0 else [-1] * len(tokens), dtype=torch.int64)
+    assert tp.broadcast_(ids).tolist() == tokens
+    return True
