@@ -7,7 +7,8 @@ starts rank 1 itself.
 - a worker killed mid-generation: the open requests end with an error, the engine reports
   dead, nothing hangs (bounded waits);
 - start-up refusals in one line: heads that do not divide (before any worker starts), more
-  ranks than GPUs (the check's logic, without a GPU).
+  ranks than GPUs (the check's logic, without a GPU); a worker that cannot load its share
+  fails the start with its error, and no process is left.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import transformers
@@ -43,7 +46,7 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def two_ranks(checkpoint):
     llm = AsyncLLM(EngineConfig(model=checkpoint, tensor_parallel_size=2, async_scheduling=True,
                                 **ENGINE))  # fmt: skip
@@ -70,51 +73,59 @@ async def _generate(llm: AsyncLLM, prompt: list[int], params: SamplingParams) ->
     return [t.id for o in outs for t in o.new_tokens]
 
 
-def test_two_ranks_generate_what_one_does(checkpoint, two_ranks):
-    reqs = _requests()
-    with LLM(EngineConfig(model=checkpoint, **ENGINE)) as one:
-        want = [c.token_ids for c in one.generate([p for p, _ in reqs], [s for _, s in reqs])]
+class TestOneEngineOnTwoRanks:
+    """One engine for both tests (its fixture ends with the class: a process holds one
+    tensor-parallel group at a time)."""
 
-    async def run() -> list[list[int]]:
-        first = await _generate(two_ranks, *reqs[0])  # its prefix's blocks are then cached
-        rest = await asyncio.gather(*(_generate(two_ranks, *r) for r in reqs[1:]))
-        return [first, *rest]
+    def test_generates_what_one_rank_does(self, checkpoint, two_ranks):
+        reqs = _requests()
+        with LLM(EngineConfig(model=checkpoint, **ENGINE)) as one:
+            want = [c.token_ids for c in one.generate([p for p, _ in reqs], [s for _, s in reqs])]
 
-    got = asyncio.run(asyncio.wait_for(run(), 120))
-    assert got == want
-    assert two_ranks.engine.scheduler.prefix_cache_hits > 0
+        async def run() -> list[list[int]]:
+            first = await _generate(two_ranks, *reqs[0])  # its prefix's blocks are then cached
+            rest = await asyncio.gather(*(_generate(two_ranks, *r) for r in reqs[1:]))
+            return [first, *rest]
 
+        got = asyncio.run(asyncio.wait_for(run(), 120))
+        assert got == want
+        assert two_ranks.engine.scheduler.prefix_cache_hits > 0
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_killed_worker_fails_the_open_requests_and_the_engine(two_ranks):
-    """(Runs after the test above: it leaves the module's engine dead.)"""
-    worker = two_ranks.engine.runner.peers.procs[1]
-    params = SamplingParams(max_new_tokens=240, temperature=0, ignore_eos=True)
+    @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+    def test_a_killed_worker_fails_the_open_requests_and_the_engine(self, two_ranks):
+        """(Runs last: it leaves the class's engine dead.)"""
+        worker = two_ranks.engine.runner.peers.procs[1]
+        params = SamplingParams(max_new_tokens=240, temperature=0, ignore_eos=True)
 
-    async def stream(prompt: list[int], first: asyncio.Event) -> list:
-        outs = []
-        async for out in two_ranks.generate(prompt, params):
-            outs.append(out)
-            first.set()
-        return outs
+        async def stream(prompt: list[int], first: asyncio.Event) -> list:
+            outs = []
+            async for out in two_ranks.generate(prompt, params):
+                outs.append(out)
+                first.set()
+            return outs
 
-    async def run() -> list:
-        firsts = [asyncio.Event() for _ in range(2)]
-        tasks = [asyncio.ensure_future(stream([5 + i] * (3 + i), f)) for i, f in enumerate(firsts)]
-        await asyncio.gather(*(f.wait() for f in firsts))  # both are decoding
-        os.kill(worker.pid, signal.SIGKILL)
-        return await asyncio.gather(*tasks)
+        async def run() -> list:
+            firsts = [asyncio.Event() for _ in range(2)]
+            tasks = [
+                asyncio.ensure_future(stream([5 + i] * (3 + i), f)) for i, f in enumerate(firsts)
+            ]
+            await asyncio.gather(*(f.wait() for f in firsts))  # both are decoding
+            os.kill(worker.pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
 
-    t0 = time.monotonic()
-    streams = asyncio.run(asyncio.wait_for(run(), 60))
-    assert time.monotonic() - t0 < 30
-    for outs in streams:
-        last = outs[-1]
-        assert last.finish_reason == "error" and "rank 1 died (signal 9)" in last.error, last
-        assert 0 < len(outs) - 1 < 240
-    assert not two_ranks.is_running
-    with pytest.raises(EngineDeadError, match="rank 1 died"):
-        two_ranks.engine.check_alive()
+        t0 = time.monotonic()
+        streams = asyncio.run(asyncio.wait_for(run(), 60))
+        assert time.monotonic() - t0 < 30
+        for outs in streams:
+            last = outs[-1]
+            assert last.finish_reason == "error" and "rank 1 died (signal 9)" in last.error, last
+            assert 0 < len(outs) - 1 < 240
+        deadline = time.monotonic() + 5  # the thread ends right after failing its streams
+        while two_ranks.is_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not two_ranks.is_running
+        with pytest.raises(EngineDeadError, match="rank 1 died"):
+            two_ranks.engine.check_alive()
 
 
 # ---- start-up refusals ----------------------------------------------------------------------
@@ -155,3 +166,15 @@ def test_more_ranks_than_gpus_are_refused(monkeypatch, capsys):
     ), err
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(device="cpu", tensor_parallel_size=0)
+
+
+def test_a_worker_that_cannot_load_fails_the_start_with_its_error(monkeypatch):
+    faults = Path(__file__).parent / "faults"  # its sitecustomize breaks the worker's load
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), os.environ["PYTHONPATH"]]))
+    monkeypatch.setenv("FLASHSERVE_TEST_TP_WORKER_FAULT", "1")
+    before = set(psutil.Process().children())
+    with pytest.raises(RuntimeError) as err:
+        LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", tensor_parallel_size=2))
+    assert str(err.value) == ("tensor-parallel worker rank 1 failed: RuntimeError: injected: "
+                              "rank 1 cannot load its share")  # fmt: skip
+    assert set(psutil.Process().children()) == before

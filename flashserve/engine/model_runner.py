@@ -95,7 +95,12 @@ class ModelRunner:
             2 * mc.num_hidden_layers * kv_heads * mc.head_dim
             * torch.empty((), dtype=config.torch_dtype).element_size()
         )  # fmt: skip
-        self.num_blocks = self.tp.min_int(self._plan_num_blocks())  # valid on every rank
+        # every rank's pool holds the same number of blocks, the smallest any rank can hold:
+        # the one scheduler's block tables are then valid on each
+        self.num_blocks = self.tp.min_int(self._plan_num_blocks())
+        if self.num_blocks < 1:  # every rank raises: none waits for the others
+            raise RuntimeError("no memory left for the KV cache; lower --max-model-len or "
+                               "raise --gpu-memory-utilization")  # fmt: skip
         self.max_model_len = self._resolve_max_model_len()
         model.ensure_positions(self.max_model_len)
         self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
@@ -142,7 +147,8 @@ class ModelRunner:
         return [torch.zeros(n, dtype=torch.float64, pin_memory=True) for _ in range(2)]
 
     def _plan_num_blocks(self) -> int:
-        """Blocks in the KV pool: --max-kv-tokens, else what free memory allows."""
+        """Blocks in this rank's KV pool: --max-kv-tokens, else what free memory allows (0 or
+        less: none)."""
         if self.config.max_kv_tokens is not None:
             return self.config.max_kv_tokens // self.block_size
         if self.device.type == "cuda":
@@ -151,11 +157,7 @@ class ModelRunner:
             per_seq = self._peak_blocks(self._model_len_limit()) * self.block_size
             want = self.config.max_num_seqs * per_seq * self.kv_bytes_per_token
             budget = min(CPU_KV_BYTES, want)
-        num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
-        if num_blocks < 1:
-            raise RuntimeError("no memory left for the KV cache; lower --max-model-len or "
-                               "raise --gpu-memory-utilization")  # fmt: skip
-        return num_blocks
+        return int(budget // (self.kv_bytes_per_token * self.block_size))
 
     def _cuda_kv_budget(self) -> int:
         """Free device memory within --gpu-memory-utilization, less activations of a step."""

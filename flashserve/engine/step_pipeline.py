@@ -65,6 +65,8 @@ class StepPipeline:
             try:
                 self.in_flight = self._queue_next(prev)
                 return StepResult(tokens=self._collect(prev))
+            except EngineDeadError:
+                raise
             except Exception:
                 logger.exception("a queued step failed: running the batch again, step by step")
                 self.drop()
@@ -74,6 +76,8 @@ class StepPipeline:
             return self._run_isolating(sched)
         try:
             launched = self.runner.launch(sched.seqs)
+        except EngineDeadError:
+            raise
         except Exception:
             logger.exception("launching a step failed: running it again, step by step")
             return self._run_isolating(sched)
@@ -124,6 +128,8 @@ class StepPipeline:
         decodes-first order), so one bad row among N costs about 2 log2(N) extra steps."""
         try:
             tokens = self.runner.execute(seqs)
+        except EngineDeadError:
+            raise
         except Exception as exc:
             self._check_device(exc)
             if len(seqs) == 1:

@@ -65,6 +65,7 @@ class TPWorkers:
         self.group: TPGroup | None = None
         self.dead: str | None = None  # why the group cannot go on, once it cannot
         self._died = threading.Event()
+        self._ready = False  # every worker listens to the step channel
         self._closing = False
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
 
@@ -127,6 +128,7 @@ class TPWorkers:
     def wait_ready(self) -> None:
         """Until every worker listens to the step channel."""
         self.sender.wait_for(self.size - 1, self._check_started, JOIN_TIMEOUT_S)
+        self._ready = True
 
     def _wait_keys(self, keys: list[str], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -201,16 +203,20 @@ class TPWorkers:
 
     def close(self) -> None:
         """Stop the workers (told to, then killed after ``STOP_TIMEOUT_S``), leave the group.
-        Safe more than once, and from atexit."""
+        Workers that cannot be told (a rank died: the others wait in a collective that never
+        completes; the start-up failed: they do not listen yet) are killed at once. Safe more
+        than once, and from atexit."""
         if self._closing:
             return
         self._closing = True
         self._wake_w.send(None)
         alive = [p for p in self.procs.values() if p.is_alive()]
-        if alive and self.dead is None:
+        graceful = self.dead is None and (self._ready or not self.procs)
+        if graceful:
             self.sender.stop()
-        # after a death the others wait in a collective that will never complete: kill them
-        deadline = time.monotonic() + (STOP_TIMEOUT_S if self.dead is None else 0.0)
+            if self.group is not None:  # while the workers leave theirs (NCCL's teardown
+                self.group.destroy()  # may wait for the other ranks')
+        deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
         for proc in alive:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
@@ -218,8 +224,8 @@ class TPWorkers:
                 proc.kill()
                 proc.join(5)
         self.sender.close()
-        # NCCL with a dead rank may block in its teardown: the process is left to end
-        if self.group is not None and (self.dead is None or self.group.device.type != "cuda"):
+        # the workers are gone: gloo's group can go; NCCL's teardown might wait for them
+        if not graceful and self.group is not None and self.group.device.type != "cuda":
             self.group.destroy()
         atexit.unregister(self.close)
 

@@ -301,7 +301,9 @@ class DecoderForCausalLM(nn.Module):
     def tensor_shard(self, name: str, shape: tuple[int, ...] | None = None) -> Shard:
         """This rank's part of the checkpoint tensor (or parameter) ``name``
         (``sharding.tensor_shard``); the loaders read only that part."""
-        name = checkpoint_name(name, self.config) or name
+        name = checkpoint_name(name, self.config)
+        if name is None:  # a tensor the model skips (a vision tower's): read as it is
+            return Shard()
         return tensor_shard(name, self.config, self.tp.rank, self.tp.size, shape)
 
 
