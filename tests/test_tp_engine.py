@@ -8,7 +8,9 @@ starts rank 1 itself.
   dead, nothing hangs (bounded waits);
 - start-up refusals in one line: heads that do not divide (before any worker starts), more
   ranks than GPUs (the check's logic, without a GPU); a worker that cannot load its share
-  fails the start with its error, and no process is left.
+  fails the start with its error, and no process is left;
+- under torchrun (its env:// rendezvous: how ranks on several hosts meet) every rank runs
+  ``flashserve generate``; rank 0 prints one rank's text, the other only serves its steps.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +27,7 @@ import psutil
 import pytest
 import torch
 import transformers
+from server_utils import ROOT, free_port
 from test_model_archs import SHAPE, save_checkpoint
 
 from flashserve.cli.main import main
@@ -178,3 +183,16 @@ def test_a_worker_that_cannot_load_fails_the_start_with_its_error(monkeypatch):
     assert str(err.value) == ("tensor-parallel worker rank 1 failed: RuntimeError: injected: "
                               "rank 1 cannot load its share")  # fmt: skip
     assert set(psutil.Process().children()) == before
+
+
+def test_torchrun_ranks_meet_through_env_and_generate_one_rank_s_text(capsys):
+    args = ["generate", "hello", "--model", "dummy:tiny", "--device", "cpu",
+            "--max-new-tokens", "8"]  # fmt: skip
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "flashserve", *args,
+           "--tensor-parallel-size", "2"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == want

@@ -66,6 +66,7 @@ class TPWorkers:
         self.dead: str | None = None  # why the group cannot go on, once it cannot
         self._died = threading.Event()
         self._ready = False  # every worker listens to the step channel
+        self._polling = True  # rank 0 meets the workers only through polls (until loaded)
         self._closing = False
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
 
@@ -124,6 +125,7 @@ class TPWorkers:
         ranks = range(1, self.size)
         self._wait_keys([loaded_key(r) for r in ranks], "load its share of the model",
                         TIMEOUT.total_seconds())  # fmt: skip
+        self._polling = False  # collectives from here on
 
     def wait_ready(self) -> None:
         """Until every worker listens to the step channel."""
@@ -180,7 +182,8 @@ class TPWorkers:
             f": {error}" if error else "")  # fmt: skip
         self._died.set()
         logger.error("%s: the engine cannot go on", self.dead)
-        if self.group is not None and self.group.device.type == "cuda":
+        # while rank 0 still only polls for the workers (loading), the poll reports the death
+        if not self._polling and self.group is not None and self.group.device.type == "cuda":
             threading.Timer(CUDA_DEAD_EXIT_S, self._exit).start()
 
     def _exit(self) -> None:
