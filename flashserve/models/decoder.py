@@ -341,6 +341,8 @@ def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None
             p.copy_(model.tensor_shard(name).take(w.normal_(0.0, std, generator=gen)))
         else:
             p.normal_(0.0, std, generator=gen)
+    if whole and device.type == "cuda":  # the whole tensors' memory back to the device: the
+        torch.cuda.empty_cache()  # KV pool is sized from what the driver reports free
 
 
 def _whole_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
