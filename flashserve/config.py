@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import FP8_KV_DTYPE
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -16,6 +18,11 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("fp8",)
+# the KV cache's dtype: the model's (auto, or the same dtype named), or fp8 (e4m3 pages with
+# per-token scales: kernels.kv_quant); a 16-bit cache under other activations is not a thing
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
+_CANONICAL = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass
@@ -40,6 +47,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     block_size: int = 16  # tokens per KV block
     attention_backend: str = "auto"  # auto | torch | triton
+    # auto (the model's dtype) | bfloat16 | float16 | float32 | fp8: an fp8 cache holds about
+    # twice the tokens and halves the KV bytes decode reads; resolved to a name here
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool | None = None  # queue step n+1 before reading step n; None: CUDA
     # chain the decode layer's Triton kernels with programmatic dependent launch (each launched
@@ -51,6 +61,10 @@ class EngineConfig:
     # ranks the model is split over (Megatron-style tensor parallelism, one process and one
     # GPU each: cuda:0..N-1, or from cuda:K on; on a CPU every rank shares it, over gloo)
     tensor_parallel_size: int = 1
+    # fp8: the decoder's projections in float8 e4m3 with per-channel scales, quantized as the
+    # weights load (an fp8 checkpoint is detected from its config.json without it); None:
+    # the checkpoint's own (unquantized unless it is an fp8 checkpoint)
+    quantization: str | None = None
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
 
     def __post_init__(self) -> None:
@@ -68,6 +82,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        self._resolve_kv_cache_dtype()
         if self.async_scheduling is None:  # on the CPU a step runs at once: nothing to overlap
             self.async_scheduling = self.device.startswith("cuda")
         if self.pdl_chain is None:  # the kernels join it only where the device supports PDL
@@ -86,6 +101,9 @@ class EngineConfig:
             raise ValueError(f"max_kv_tokens must be >= block_size ({self.block_size})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")  # fmt: skip
         if self.tensor_parallel_size > 1 and self.is_cuda:
             self._check_gpus()
 
@@ -100,9 +118,37 @@ class EngineConfig:
         if why:
             raise ValueError(why)
 
+    def _resolve_kv_cache_dtype(self) -> None:
+        """``kv_cache_dtype``: auto becomes the model's dtype; aliases (bf16, fp16, ...) their
+        name; refused: unknown names, a 16/32-bit cache in another dtype than the model's, and
+        fp8 under the Triton kernels on a GPU without e4m3 conversions (before sm_89)."""
+        kv = self.kv_cache_dtype
+        if kv == "auto":
+            kv = self.dtype
+        if kv != "fp8":
+            if kv not in _DTYPES:
+                raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                 f"got {self.kv_cache_dtype!r}")  # fmt: skip
+            kv = _CANONICAL[_DTYPES[kv]]
+            if _DTYPES[kv] != self.torch_dtype:
+                raise ValueError(f"kv_cache_dtype {kv} differs from dtype {self.dtype}: the KV "
+                                 "cache is in the model's dtype (auto) or fp8")  # fmt: skip
+        elif self.attention_backend == "triton" and self.device.startswith("cuda"):
+            cap = torch.cuda.get_device_capability(self.device)
+            if cap < (8, 9):
+                raise ValueError(f"kv_cache_dtype fp8 needs a GPU with e4m3 conversions (sm_89+, "
+                                 f"Ada or Hopper) for the triton backend; this one is sm_"
+                                 f"{cap[0]}{cap[1]}")  # fmt: skip
+        self.kv_cache_dtype = kv
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV pools' dtype: the model's, or ``float8_e4m3fn`` (with scale pools)."""
+        return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else _DTYPES[self.kv_cache_dtype]
 
     @property
     def is_cuda(self) -> bool:

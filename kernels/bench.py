@@ -9,7 +9,10 @@ Peers: torch SDPA on contiguous KV (enable_gqa) and, if importable, xformers' tr
 on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA's
 FlashAttention-2 and cuDNN backends. The device-to-device copy bandwidth is measured in the
 same run and is the 100% of the decode table's % columns (GB/s: KV bytes read per second).
-``--sweep`` times tuning variants instead.
+``--sweep`` times tuning variants instead. ``--kv-dtype fp8`` runs our decode and prefill over
+an fp8 cache (e4m3 pages and their bf16 scales, ``kernels.kv_quant``) instead of bf16, in the
+grid, the sweeps and the window table; its GB/s and % count the bytes it reads (fp8 values and
+scales), the peers' their bf16 ones.
 
 ``--window W`` times sliding windows instead (issue 14's target: at 128K context, a layer with
 a 4,096-token window within 10% of the same kernel at a 4K context). Decode, per head shape
@@ -41,6 +44,7 @@ DEV = "cpu" if SMOKE else "cuda"
 HQ, HKV, D = 32, 8, 128
 DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter has no bf16 dot
 ROTATE_BYTES = 256 << 20  # input sets per graph: at least this many KV bytes, 5x the L2
+KV_DTYPES = ("bf16", "fp8")  # --kv-dtype: our cache's (bf16 means DT, fp16 in the smoke test)
 
 
 # ---------------------------------------------------------------- timing
@@ -102,15 +106,36 @@ def copy_bandwidth() -> float:
 # ---------------------------------------------------------------- decode inputs
 
 
+def kv_pools(nb: int, page: int, hkv: int, d: int, kv: str = "bf16") -> dict:
+    """Random K and V pools ``[nb, page, hkv, d]`` as keyword arguments of our kernels: DT
+    pages, or (``kv="fp8"``) their e4m3 quantization with its scale pools."""
+    from kernels.kv_quant import FP8_KV_DTYPE, KV_SCALE_DTYPE, kv_scale_shape, quantize_fp8
+
+    if kv == "bf16":
+        return {name: torch.randn(nb, page, hkv, d, device=DEV, dtype=DT)
+                for name in ("k_cache", "v_cache")}  # fmt: skip
+    pools = {}
+    for name in ("k", "v"):  # quantized a few blocks at a time: no full-size float32 copy
+        pages = torch.empty(nb, page, hkv, d, device=DEV, dtype=FP8_KV_DTYPE)
+        scales = torch.empty(kv_scale_shape(nb, page, hkv), device=DEV, dtype=KV_SCALE_DTYPE)
+        for i in range(0, nb, 4096):
+            x = torch.randn(min(4096, nb - i), page, hkv, d, device=DEV, dtype=DT)
+            pages[i : i + len(x)], s = quantize_fp8(x)
+            scales[i : i + len(x)] = s.transpose(1, 2)
+        pools.update({f"{name}_cache": pages, f"{name}_scale": scales})
+    return pools
+
+
 class DecodeInputs:
     """``n`` independent input sets for one (batch, context) point, paged with ``page``; the
     pages of a set are shuffled, or with ``shuffle=False`` in order (each sequence contiguous).
     ``live``: only the pages of each sequence's last ``live`` tokens exist (a sliding window's);
-    the block-table entries left of them point at random pages of the set."""
+    the block-table entries left of them point at random pages of the set. ``kv``: the cache's
+    dtype (``kv_pools``); a set is (q, pools, block table, out)."""
 
     def __init__(
         self, bsz: int, ctx: int, page: int, n: int, hq: int = HQ, hkv: int = HKV, shuffle=True,
-        d: int = D, live: int | None = None,
+        d: int = D, live: int | None = None, kv: str = "bf16",
     ):  # fmt: skip
         self.bsz, self.ctx, self.page = bsz, ctx, page
         width = ctx // page
@@ -118,48 +143,53 @@ class DecodeInputs:
         nb = bsz * (width - first)
         self.sets = []
         for _ in range(n):
-            k = torch.randn(nb, page, hkv, d, device=DEV, dtype=DT)
-            v = torch.randn(nb, page, hkv, d, device=DEV, dtype=DT)
+            pools = kv_pools(nb, page, hkv, d, kv)
             ids = torch.randperm(nb, device=DEV) if shuffle else torch.arange(nb, device=DEV)
             bt = torch.randint(0, nb, (bsz, width), device=DEV, dtype=torch.int32)
             bt[:, first:] = ids.to(torch.int32).view(bsz, width - first)
             q = torch.randn(bsz, hq, d, device=DEV, dtype=DT)
-            self.sets.append((q, k, v, bt, torch.empty_like(q)))
+            self.sets.append((q, pools, bt, torch.empty_like(q)))
         self.seq_lens = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
 
 
-def kv_bytes(bsz: int, ctx: int, hkv: int = HKV, d: int = D) -> int:
-    return bsz * ctx * hkv * d * 2 * DT.itemsize
+def kv_bytes(bsz: int, ctx: int, hkv: int = HKV, d: int = D, kv: str = "bf16") -> int:
+    """K and V bytes of ``bsz`` sequences of ``ctx`` tokens: an fp8 cache's scales included."""
+    from kernels.kv_quant import FP8_KV_DTYPE, kv_bytes_per_token_layer
+
+    return bsz * ctx * kv_bytes_per_token_layer(hkv, d, FP8_KV_DTYPE if kv == "fp8" else DT)
 
 
-def n_sets(bsz: int, ctx: int, hkv: int = HKV, d: int = D) -> int:
-    return 1 if SMOKE else max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes(bsz, ctx, hkv, d))))
+def n_sets(bsz: int, ctx: int, hkv: int = HKV, d: int = D, kv: str = "bf16") -> int:
+    if SMOKE:
+        return 1
+    return max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes(bsz, ctx, hkv, d, kv))))
 
 
-def time_ours(bsz, ctx, page=16, hq=HQ, hkv=HKV, shuffle=True, d=D, window=0, **kw) -> float:
-    """µs per decode call; ``window`` > 0: windowed calls over pools of the window's pages."""
+def time_ours(bsz, ctx, page=16, hq=HQ, hkv=HKV, shuffle=True, d=D, window=0, kv="bf16",
+              **kw) -> float:  # fmt: skip
+    """µs per decode call; ``window`` > 0: windowed calls over pools of the window's pages;
+    ``kv``: the cache's dtype (``kv_pools``)."""
     from kernels.decode import decode_attention
 
     read = min(ctx, window) if window else ctx  # tokens a row reads: the rotation's bytes
-    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, read, hkv, d), hq, hkv, shuffle, d,
-                       live=window or None)  # fmt: skip
+    inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, read, hkv, d, kv), hq, hkv, shuffle, d,
+                       live=window or None, kv=kv)  # fmt: skip
     sl, scale = inp.seq_lens, d**-0.5
     calls = [
         (
-            lambda s=s: decode_attention(
-                s[0],
-                s[1],
-                s[2],
-                sl,
-                s[3],
-                scale,
+            lambda q=q, pools=pools, bt=bt, out=out: decode_attention(
+                q,
+                seq_lens=sl,
+                block_tables=bt,
+                scale=scale,
                 max_seq_len=ctx,
-                out=s[4],
+                out=out,
                 window=window,
+                **pools,
                 **kw,
             )
         )  # fmt: skip
-        for s in inp.sets
+        for q, pools, bt, out in inp.sets
     ]
     return graph_time(calls)
 
@@ -192,7 +222,8 @@ def time_xformers(bsz, ctx, graph: bool = True) -> float:
     page = 256
     inp = DecodeInputs(bsz, ctx, page, n_sets(bsz, ctx))
     calls = []
-    for q, k, v, bt, _ in inp.sets:
+    for q, pools, bt, _ in inp.sets:
+        k, v = pools["k_cache"], pools["v_cache"]
         bias = BlockDiagonalPaddedKeysMask.from_seqlens(
             q_seqlen=[1] * bsz, kv_padding=ctx, kv_seqlen=[ctx] * bsz, device=q.device
         ).make_paged(bt, page_size=page, paged_type=PagedBlockDiagonalPaddedKeysMask)
@@ -217,12 +248,11 @@ def prefill_flops(n: int) -> float:
     return 4 * HQ * D * n * n / 2  # QK^T and PV, causal half
 
 
-def time_prefill_ours(n: int, page: int = 16, d: int = D, **kw) -> float:
+def time_prefill_ours(n: int, page: int = 16, d: int = D, kv: str = "bf16", **kw) -> float:
     from kernels.prefill import prefill_attention
 
     nb = n // page
-    k = torch.randn(nb, page, HKV, d, device=DEV, dtype=DT)
-    v = torch.randn_like(k)
+    pools = kv_pools(nb, page, HKV, d, kv)
     bt = torch.randperm(nb, device=DEV, dtype=torch.int32).view(1, nb)
     q = torch.randn(n, HQ, d, device=DEV, dtype=DT)
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
@@ -230,14 +260,23 @@ def time_prefill_ours(n: int, page: int = 16, d: int = D, **kw) -> float:
     out = torch.empty_like(q)
     return bench_time(
         lambda: prefill_attention(
-            q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, max_seq_len=n, out=out, **kw
+            q,
+            cu_seqlens_q=cu,
+            seq_lens=sl,
+            block_tables=bt,
+            scale=d**-0.5,
+            max_query_len=n,
+            max_seq_len=n,
+            out=out,
+            **pools,
+            **kw,
         )  # fmt: skip
     )
 
 
 def time_prefill_chunk(
     chunk: int, seq_len: int, window: int = 0, hq: int = HQ, hkv: int = HKV, d: int = D,
-    page: int = 16, **kw,
+    page: int = 16, kv: str = "bf16", **kw,
 ) -> float:  # fmt: skip
     """µs of one prefill call: a chunk of ``chunk`` queries at the end of ``seq_len`` tokens;
     with a ``window``, the pool holds only the pages from the chunk's first window on."""
@@ -246,8 +285,7 @@ def time_prefill_chunk(
     width = -(-seq_len // page)
     first = max(0, seq_len - chunk - window + 1) // page if window else 0
     nb = width - first
-    k = torch.randn(nb, page, hkv, d, device=DEV, dtype=DT)
-    v = torch.randn_like(k)
+    pools = kv_pools(nb, page, hkv, d, kv)
     bt = torch.randint(0, nb, (1, width), device=DEV, dtype=torch.int32)
     bt[0, first:] = torch.randperm(nb, device=DEV, dtype=torch.int32)
     q = torch.randn(chunk, hq, d, device=DEV, dtype=DT)
@@ -257,16 +295,15 @@ def time_prefill_chunk(
     return bench_time(
         lambda: prefill_attention(
             q,
-            k,
-            v,
-            cu,
-            sl,
-            bt,
-            d**-0.5,
+            cu_seqlens_q=cu,
+            seq_lens=sl,
+            block_tables=bt,
+            scale=d**-0.5,
             max_query_len=chunk,
             max_seq_len=seq_len,
             out=out,
             window=window,
+            **pools,
             **kw,
         )  # fmt: skip
     )
@@ -308,7 +345,7 @@ def fits(bsz: int, ctx: int) -> bool:
     if SMOKE:
         return True
     free, _ = torch.cuda.mem_get_info()
-    return kv_bytes(bsz, ctx) * 1.3 < free
+    return kv_bytes(bsz, ctx) * 1.3 < free  # bf16: the peers' and the fp8 inputs' source
 
 
 ROUNDS = 1 if SMOKE else 3  # decode grid: ours and SDPA timed this many times, alternated
@@ -319,17 +356,21 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def decode_grid(batches, contexts, copy_gbs, have_xf) -> list[dict]:
+def decode_grid(batches, contexts, copy_gbs, have_xf, kv="bf16") -> list[dict]:
+    """Ours over a ``kv`` cache beside the peers (bf16); each one's GB/s and % of the copy
+    bandwidth count the bytes it reads (``kv_mb`` ours, ``peer_kv_mb`` the peers')."""
     rows = []
     for bsz in batches:
         for ctx in contexts:
             if not fits(bsz, ctx):
                 print(f"  skip B={bsz} ctx={ctx}: does not fit")
                 continue
-            r = {"batch": bsz, "context": ctx, "kv_mb": kv_bytes(bsz, ctx) / 1e6}
+            r = {"batch": bsz, "context": ctx, "kv_dtype": kv,
+                 "kv_mb": kv_bytes(bsz, ctx, kv=kv) / 1e6,
+                 "peer_kv_mb": kv_bytes(bsz, ctx) / 1e6}  # fmt: skip
             ours, sdpa = [], []
             for _ in range(ROUNDS):  # alternated, so that drifting clocks hit both alike
-                ours.append(attempt(time_ours, bsz, ctx))
+                ours.append(attempt(time_ours, bsz, ctx, kv=kv))
                 sdpa.append(attempt(time_sdpa, bsz, ctx))
             r["ours_us"], r["sdpa_us"] = _median(ours), _median(sdpa)
             r["ours_rounds"], r["sdpa_rounds"] = ours, sdpa
@@ -342,24 +383,25 @@ def decode_grid(batches, contexts, copy_gbs, have_xf) -> list[dict]:
                         break
             for key in ("ours", "sdpa", "xformers"):
                 us = r[f"{key}_us"]
-                r[f"{key}_gbs"] = kv_bytes(bsz, ctx) / us / 1e3 if us else None
+                mb = r["kv_mb"] if key == "ours" else r["peer_kv_mb"]
+                r[f"{key}_gbs"] = mb * 1e6 / us / 1e3 if us else None
                 r[f"{key}_pct"] = r[f"{key}_gbs"] / copy_gbs * 100 if us else None
             rows.append(r)
             print("  " + json.dumps(r), flush=True)
     return rows
 
 
-def prefill_table(sizes) -> list[dict]:
+def prefill_table(sizes, kv="bf16") -> list[dict]:
     rows = []
     for n in sizes:
-        r = {"tokens": n}
+        r = {"tokens": n, "kv_dtype": kv}
         for name, fn, arg in (
             ("ours_page16", time_prefill_ours, 16),
             ("ours_page128", time_prefill_ours, 128),
             ("sdpa_flash", time_prefill_sdpa, "flash"),
             ("sdpa_cudnn", time_prefill_sdpa, "cudnn"),
         ):
-            us = attempt(fn, n, arg)
+            us = attempt(fn, n, arg, kv=kv) if name.startswith("ours") else attempt(fn, n, arg)
             r[f"{name}_us"] = us
             r[f"{name}_tflops"] = prefill_flops(n) / us / 1e6 if us else None
         rows.append(r)
@@ -370,12 +412,13 @@ def prefill_table(sizes) -> list[dict]:
 WINDOW_VARIANTS = ("global_4k", "window_4k", "window_long")
 
 
-def window_table(window: int, long_ctx: int, heads, batches, chunks, softcap=0.0) -> list[dict]:
+def window_table(window: int, long_ctx: int, heads, batches, chunks, softcap=0.0,
+                 kv="bf16") -> list[dict]:  # fmt: skip
     """The sliding-window target (module doc): per head shape ``(hq, hkv, d)``, decode per
     batch and prefill per chunk, the three variants timed ``ROUNDS`` times, alternated."""
     rows = []
     for hq, hkv, d in heads:
-        common = {"hq": hq, "hkv": hkv, "d": d, "softcap": softcap}
+        common = {"hq": hq, "hkv": hkv, "d": d, "softcap": softcap, "kv": kv}
         for kind, n in [("decode", b) for b in batches] + [("prefill", c) for c in chunks]:
             if kind == "decode":  # a row reads `window` tokens in all three
                 fn, short, long = time_ours, (n, window), (n, long_ctx)
@@ -436,7 +479,7 @@ SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill")
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def sweep(which: list[str], points=None) -> list[dict]:
+def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
     Decode variants are ``DecodeTuning`` values or call arguments, never module state.
@@ -446,8 +489,9 @@ def sweep(which: list[str], points=None) -> list[dict]:
     sequence (a head's rows contiguous within a page: the layout of a head-major cache) in
     pages of 16 or 128 tokens or wholly contiguous (SDPA's layout); splits: split counts (at
     most two waves of 3 programs per SM); page: page sizes; prefill: tile configs (TFLOP/s in
-    "tflops"). ``points``: (batch, context) pairs for the decode sweeps. Variants that lost
-    (K/V load hints, loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
+    "tflops"). ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's
+    dtype in every variant. Variants that lost (K/V load hints, loop variants, the combine
+    kernel): docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
 
@@ -456,19 +500,20 @@ def sweep(which: list[str], points=None) -> list[dict]:
 
     def rec(kind, bsz, ctx, variant, us, **extra):
         res.append({"sweep": kind, "batch": bsz, "context": ctx, "variant": variant, "us": us,
-                    **extra})  # fmt: skip
+                    "kv_dtype": kv, **extra})  # fmt: skip
         print(f"  {kind} B={bsz} ctx={ctx} {variant}: {fmt(us, '.1f')}", flush=True)
 
     if "decode-config" in which:
         for bsz, ctx in pts:
             for cfg in DECODE_CONFIGS:
                 tuning = DecodeTuning(tiles=cfg)
-                rec("decode-config", bsz, ctx, cfg, attempt(time_ours, bsz, ctx, tuning=tuning))
+                rec("decode-config", bsz, ctx, cfg,
+                    attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv))  # fmt: skip
 
     if "pdl" in which:
         for bsz, ctx in pts:
             for name, tuning in (("none", DecodeTuning(pdl=False)), ("pdl", DecodeTuning())):
-                rec("pdl", bsz, ctx, name, attempt(time_ours, bsz, ctx, tuning=tuning))
+                rec("pdl", bsz, ctx, name, attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv))
     if "layout" in which:  # what the KV placement costs: the kernel alone on SDPA's layout
         variants = (  # name, batch factor, time_ours kwargs
             ("8 heads/page, page 16, shuffled", 1, {}),
@@ -482,22 +527,24 @@ def sweep(which: list[str], points=None) -> list[dict]:
         default = [(1, 131072), (8, 16384), (8, 131072), (32, 16384)] if not SMOKE else pts
         for bsz, ctx in points or default:
             for name, factor, kw in variants:
-                rec("layout", bsz, ctx, name, attempt(time_ours, bsz * factor, ctx, **kw))
+                rec("layout", bsz, ctx, name,
+                    attempt(time_ours, bsz * factor, ctx, kv=kv, **kw))  # fmt: skip
     if "splits" in which:
         for bsz, ctx in pts:
             for sp in SPLIT_CHOICES:
                 if sp * 64 <= ctx and bsz * HKV * sp <= 3 * 132 * 2:
-                    rec("splits", bsz, ctx, sp, attempt(time_ours, bsz, ctx, num_splits=sp))
+                    rec("splits", bsz, ctx, sp,
+                        attempt(time_ours, bsz, ctx, num_splits=sp, kv=kv))  # fmt: skip
     if "page" in which:
         for bsz, ctx in pts:
             for page in (16, 64, 256):
-                rec("page", bsz, ctx, page, attempt(time_ours, bsz, ctx, page=page))
+                rec("page", bsz, ctx, page, attempt(time_ours, bsz, ctx, page=page, kv=kv))
     if "prefill" in which:
         for n, d in (
             [(16384, 128), (4096, 128), (4096, 64), (4096, 256)] if not SMOKE else [(256, 64)]
         ):
             for cfg in PREFILL_CONFIGS[d]:
-                us = attempt(time_prefill_ours, n, 16, d, config=cfg)
+                us = attempt(time_prefill_ours, n, 16, d, config=cfg, kv=kv)
                 tf = prefill_flops(n) * d / D / us / 1e6 if us else None
                 rec("prefill", 1, n, (d, *cfg), us, tflops=tf)
     return res
@@ -518,8 +565,8 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def print_tables(copy_gbs, dec, pre):
-    print(f"\ncopy bandwidth: {copy_gbs:,.0f} GB/s (read + write)")
+def print_tables(copy_gbs, dec, pre, kv="bf16"):
+    print(f"\ncopy bandwidth: {copy_gbs:,.0f} GB/s (read + write); our KV cache: {kv}")
     print("\n| batch | context | KV MB | ours µs | GB/s | % | SDPA µs | GB/s | % | xformers µs "
           "| GB/s | % |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -558,6 +605,9 @@ def main(argv=None) -> None:
     ap.add_argument("--window-heads", default="32/8/128,16/8/256",
                     help="hq/hkv/head_dim shapes: Llama-3-8B's, Gemma-3-12B's")  # fmt: skip
     ap.add_argument("--window-softcap", type=float, default=0.0)
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                    help="our KV cache: bf16 (default) or fp8 (e4m3 with per-token scales); "
+                    "the peers stay bf16")  # fmt: skip
     args = ap.parse_args(argv)
     if args.window is not None and (args.window <= 0 or args.window % 16 or
                                     args.window_context % 16):  # fmt: skip
@@ -570,6 +620,7 @@ def main(argv=None) -> None:
         "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join([sys.executable.split("/")[-1], "-m", "kernels.bench", *sys.argv[1:]]),
+        "kv_dtype": args.kv_dtype,
     }  # fmt: skip
     print(json.dumps(meta), flush=True)
     have_xf = False
@@ -588,19 +639,21 @@ def main(argv=None) -> None:
             if args.points
             else None
         )
-        result["sweep"] = sweep(args.sweep.split(","), pts)
+        result["sweep"] = sweep(args.sweep.split(","), pts, args.kv_dtype)
     elif args.window is not None:
         heads = [tuple(int(x) for x in h.split("/")) for h in args.window_heads.split(",")]
         result["window"] = window_table(
             args.window, args.window_context, heads,
             [int(x) for x in args.batches.split(",") if x],
             [int(x) for x in args.window_chunks.split(",") if x], args.window_softcap,
+            args.kv_dtype,
         )  # fmt: skip
     else:
         batches = [int(x) for x in args.batches.split(",")]
         contexts = [int(x) for x in args.contexts.split(",")]
-        result["decode"] = decode_grid(batches, contexts, copy_gbs, have_xf)
-        result["prefill"] = prefill_table([int(x) for x in args.prefill.split(",") if x])
+        result["decode"] = decode_grid(batches, contexts, copy_gbs, have_xf, args.kv_dtype)
+        result["prefill"] = prefill_table([int(x) for x in args.prefill.split(",") if x],
+                                          args.kv_dtype)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -609,7 +662,7 @@ def main(argv=None) -> None:
     elif args.window is not None:
         print_window_table(result["window"])
     else:
-        print_tables(copy_gbs, result["decode"], result["prefill"])
+        print_tables(copy_gbs, result["decode"], result["prefill"], args.kv_dtype)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import check_kv_scales
+
 
 @functools.cache
 def num_sms(device: torch.device) -> int:
@@ -118,6 +120,23 @@ def check_kv_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, hkv: int, d: in
     page = k_cache.shape[1]
     if page & (page - 1):
         raise ValueError(f"page size {page} must be a power of two")
+
+
+def check_cache_dtypes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """The caches are in the queries' dtype, or fp8 with their scale pools
+    (``kernels.kv_quant.check_kv_scales``); ValueError otherwise."""
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ")
+    if not check_kv_scales(k_cache, k_scale, v_scale) and q.dtype != k_cache.dtype:
+        raise ValueError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} differ")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}")
 
 
 class SplitCounters(dict):

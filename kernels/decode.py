@@ -31,6 +31,16 @@ split length instead (the same reduction order whatever the batch: batch-invaria
 merge counters live in a per-device buffer that every launch leaves zeroed (the merging
 program resets its counter), so replays need no memset; calls on one device must not overlap.
 
+An fp8 cache (``float8_e4m3fn`` pages with per-(token, KV head) scales, ``kernels.kv_quant``;
+the ``FP8`` constexpr) is dequantized as its tiles are loaded, never in a pass of its own:
+each tile's K and V scales (``[N, Hkv, PAGE]`` pools: 64 contiguous bf16 per page run and
+head) are loaded beside it, the fp8 tile is converted to the queries' dtype (e4m3 values are
+exact in bf16, fp16 and float32) for the usual dot with float32 accumulation (never an fp8
+dot), the K scales multiply the score columns (``s[:, n] *= k_scale[n]``, folded into the
+softmax scale: one multiply a score, as before) and the V scales the columns of P before the
+P.V dot (times ``V_SCALE_SHIFT``, divided out of the output). Without fp8 the kernel compiles
+as before.
+
 Tuning is a value, ``DecodeTuning`` (``tuning=``; ``DEFAULT_DECODE_TUNING`` holds the measured
 choices); variants that lost their measurements are gone, their numbers kept in
 docs/benchmarks/kernels-notes.md ("Deleted variants"). On sm_90+ the kernel uses programmatic
@@ -54,6 +64,7 @@ import triton.language as tl
 
 from kernels.common import (
     SplitCounters,
+    check_cache_dtypes,
     check_kv_pages,
     check_window_softcap,
     pdl_wait,
@@ -61,8 +72,10 @@ from kernels.common import (
     softcap_log2,
 )
 from kernels.common import num_sms as _num_sms
+from kernels.kv_quant import V_SCALE_SHIFT, is_fp8
 
 _LOG2E = 1.4426950408889634
+_V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals only
 
 
 @triton.jit
@@ -85,13 +98,16 @@ def _tile_pages(bt, n0, lo, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WIND
 
 @triton.jit
 def _attend_tile(
-    q, K, V, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb, stride_kt,
-    head_off, qk_scale, cap_in, cap_out, PAGE: tl.constexpr, WINDOWED: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
+    stride_kt, head_off, stride_sb, s_head, qk_scale, cap_in, cap_out, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``;
     tokens at or past ``end``, and left of ``lo`` when WINDOWED, masked: never loaded): the
-    updated (m_i, l_i, acc). SOFTCAP: scores soft-capped (``softcap_log2``)."""
+    updated (m_i, l_i, acc). SOFTCAP: scores soft-capped (``softcap_log2``). FP8: K and V
+    are e4m3 with scales in ``KS``/``VS`` (this head's at ``s_head``); ``acc`` then carries a
+    factor ``V_SCALE_SHIFT``."""
     kv = n0 + offs_n  # [BN] token positions
     row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
     kv_mask = kv < end
@@ -100,9 +116,30 @@ def _attend_tile(
     ld_mask = kv_mask[:, None] & d_mask[None, :]  # [BN, BD]
     k = tl.load(K + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     v = tl.load(V + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
+    if FP8:
+        # The tile's scales: runs of min(PAGE, BN) contiguous offsets, each from a multiple of
+        # it (block and head strides are multiples of PAGE, tiles start at multiples of BN),
+        # which the compiler cannot see through the block-table entries: told here (a hint on
+        # a function's argument is lost), and loaded unmasked (every offset is in the pool:
+        # entries of dead pages read 0), the loads are wide enough to be copied ahead with the
+        # K/V tiles. Masked or without the hint they load 2 bytes a thread, synchronously in
+        # the loop (sm_90, Triton 3.9, 16-token pages: TTGIR of the compiled kernel).
+        srow = pages * stride_sb + s_head + kv % PAGE  # [BN]
+        if PAGE < BLOCK_N:
+            srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
+        else:
+            srow = tl.max_contiguous(tl.multiple_of(srow, BLOCK_N), BLOCK_N)
+        k_sc = tl.load(KS + srow).to(tl.float32)
+        v_sc = tl.where(kv_mask, tl.load(VS + srow).to(tl.float32), 0.0)  # 0 past the end
+        k = k.to(q.dtype)  # exact
+        v = v.to(q.dtype)
     if SOFTCAP:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BG, BN]
+        if FP8:
+            s = s * k_sc[None, :]
         s = softcap_log2(s, cap_in, cap_out)  # log2 units
+    elif FP8:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_sc * qk_scale)[None, :]
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN], log2
     s = tl.where(kv_mask[None, :], s, float("-inf"))
@@ -110,7 +147,11 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if FP8:
+        pv = p * (v_sc * _V_SHIFT)[None, :]
+    else:
+        pv = p
+    acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -188,6 +229,8 @@ def _decode_split_kernel(
     Q,  # [B, Hq, D]
     K,  # [N, PAGE, Hkv, D]
     V,  # [N, PAGE, Hkv, D]
+    KS,  # [N, Hkv, PAGE] (FP8): K's scales
+    VS,  # [N, Hkv, PAGE] (FP8): V's scales
     SeqLens,  # [B] int32
     BlockTables,  # [B, M] int32
     PartOut,  # [B, Hq, S, D] fp32 partials, or Out itself (DIRECT)
@@ -206,6 +249,7 @@ def _decode_split_kernel(
     stride_kb,
     stride_kt,
     stride_kh,
+    stride_sb,  # FP8: the scale pools' block stride (head stride PAGE, token stride 1)
     stride_btb,
     stride_pb,
     stride_ph,
@@ -225,6 +269,7 @@ def _decode_split_kernel(
     CHAIN: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -273,9 +318,10 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
         nxt = _tile_pages(bt, n0 + BLOCK_N, lo, end, PAGE, BLOCK_N, WINDOWED)
         m_i, l_i, acc = _attend_tile(
-            q, K, V, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
-            stride_kt, head_off, qk_scale, cap_in, cap_out, PAGE=PAGE, WINDOWED=WINDOWED,
-            SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask,
+            stride_kb, stride_kt, head_off, stride_sb, hkv * PAGE, qk_scale, cap_in, cap_out,
+            PAGE=PAGE, BLOCK_N=BLOCK_N, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8,
+            DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         pages = nxt
     # The PDL chain: the next kernel may launch now that the KV is read (it waits). At the
@@ -286,6 +332,8 @@ def _decode_split_kernel(
 
     empty = l_i == 0.0  # a split with no tokens: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if FP8:
+        out = out * (1.0 / _V_SHIFT)  # a power of two: exact
     lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453  # natural log
     lse = tl.where(empty, float("-inf"), lse)
     o_ptrs = PartOut + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps
@@ -338,6 +386,11 @@ class DecodeTuning:
     # 18.2-20.2 / 96.5 / 13.0 (at 256-token splits); (64, 4, 2) 14.7 over the window at
     # 256-token splits, (64, 8, 3) and (32, 8, 3) 1-20% slower, (16, 4, *) up to 45%.
     wide_tiles: tuple[int, int, int] = (64, 4, 3)
+    # Stage 1's tiles over an fp8 cache (head dims up to 128; wider ones take wide_tiles);
+    # None: decode_config's, the bf16 choice. An fp8 tile of 64 tokens is half the bytes of a
+    # bf16 one, with the same dot and one conversion a value more: not measured yet (the
+    # kernels.bench --kv-dtype fp8 --sweep decode-config grid is what decides it).
+    fp8_tiles: tuple[int, int, int] | None = None
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
     # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
@@ -364,8 +417,10 @@ class DecodeTuning:
             _check_tiles(self.tiles)
         object.__setattr__(self, "wide_tiles", tuple(self.wide_tiles))
         _check_tiles(self.wide_tiles, "wide_tiles")
-        for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens",
-                     "max_splits"):
+        if self.fp8_tiles is not None:
+            object.__setattr__(self, "fp8_tiles", tuple(self.fp8_tiles))
+            _check_tiles(self.fp8_tiles, "fp8_tiles")
+        for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
         if self.short_split_tokens < 0:
@@ -400,7 +455,7 @@ class SplitPlan(NamedTuple):
 
 
 def decode_config(
-    head_dim: int, tuning: DecodeTuning = DEFAULT_DECODE_TUNING
+    head_dim: int, tuning: DecodeTuning = DEFAULT_DECODE_TUNING, fp8: bool = False
 ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of stage 1, independent of the batch size (so that
     ``split_size=`` gives batch-invariant results). The block-table entries are loaded a tile
@@ -409,8 +464,10 @@ def decode_config(
     its own heuristic split count: (64, 4, 4) fastest at 6, 1.2% behind (64, 4, 3) at B=8/4K;
     (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
     8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). Head dims over 128:
-    ``tuning.wide_tiles``."""
-    return (64, 4, 4) if head_dim <= 128 else tuning.wide_tiles
+    ``tuning.wide_tiles``; an fp8 cache: ``tuning.fp8_tiles`` when set."""
+    if head_dim > 128:
+        return tuning.wide_tiles
+    return tuning.fp8_tiles if fp8 and tuning.fp8_tiles is not None else (64, 4, 4)
 
 
 def stages_for(
@@ -488,17 +545,19 @@ def plan_splits(
     num_splits: int | None = None,
     split_size: int | None = None,
     window: int = 0,
+    fp8: bool = False,
 ) -> SplitPlan:
     """The split count, minimum split length and stage-1 tiles of a call (see
-    ``decode_attention`` for ``num_splits``, ``split_size`` and ``window``); host ints only, so
-    the plan of a CUDA-graph capture holds for its replays.
+    ``decode_attention`` for ``num_splits``, ``split_size`` and ``window``; ``itemsize``: the
+    cache's bytes per element, ``fp8``: an fp8 cache); host ints only, so the plan of a
+    CUDA-graph capture holds for its replays.
 
     A row reads at most ``min(max_seq_len, window)`` tokens, which the heuristic sizes the
     splits by: a 4,096-token window at 128K gets the plan of a 4K context. A row's KV starts
     at its window's first token rounded down to a tile, so up to ``window + BLOCK_N - 1``
     tokens: the split count of ``split_size`` mode counts those, so that every split is
     ``split_size`` long whatever the row's alignment (batch invariance)."""
-    tiles = tuning.tiles or fit_smem(decode_config(head_dim, tuning), head_dim, itemsize)
+    tiles = tuning.tiles or fit_smem(decode_config(head_dim, tuning, fp8), head_dim, itemsize)
     block_n = tiles[0]
     span = min(max_seq_len, window) if window > 0 else max_seq_len
     if split_size is not None:
@@ -515,7 +574,8 @@ def plan_splits(
     splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning, shortest)
     # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
     min_split = math.ceil(shortest / block_n) * block_n
-    if tuning.tiles is None and not wide:  # wide tiles lose a third with a stage fewer
+    chosen = tuning.tiles is not None or (fp8 and tuning.fp8_tiles is not None)
+    if not chosen and not wide:  # wide tiles lose a third with a stage fewer
         tiles = stages_for(tiles, math.ceil(span / splits), tuning)
     return SplitPlan(splits, min_split, tiles)
 
@@ -545,6 +605,8 @@ def decode_attention(
     chain: bool = True,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Decode attention of one query token per sequence over its paged KV (see module doc).
 
@@ -555,12 +617,14 @@ def decode_attention(
     join the decode layer's PDL chain where the device supports it (``kernels.common``).
     ``window`` > 0: each row attends to its last ``window`` tokens only (and reads only their
     pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
-    layer's host values (0: off), fixed for a captured graph.
+    layer's host values (0: off), fixed for a captured graph. An fp8 cache (``float8_e4m3fn``
+    pages) comes with its scale pools ``k_scale``/``v_scale`` ``[N, Hkv, BS]``
+    (``kernels.kv_quant``).
     Returns ``out`` [B, Hq, D], and ``lse`` [B, Hq] fp32 (natural log) if ``return_lse``.
     """
     bsz, hq, d = q.shape
     n_blocks, page, hkv, dk = k_cache.shape
-    _check(q, k_cache, v_cache, seq_lens, block_tables, dk, hkv)
+    _check(q, k_cache, v_cache, seq_lens, block_tables, dk, hkv, k_scale, v_scale)
     window, softcap = check_window_softcap(window, softcap)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * page
@@ -572,9 +636,10 @@ def decode_attention(
     if bsz == 0:
         return (out, lse) if return_lse else out
 
-    itemsize = q.element_size()
+    itemsize = k_cache.element_size()
+    fp8 = is_fp8(k_cache)
     plan = plan_splits(bsz, hkv, d, itemsize, max_seq_len, _num_sms(q.device), tuning,
-                       num_splits, split_size, window)  # fmt: skip
+                       num_splits, split_size, window, fp8)  # fmt: skip
     if plan.splits == 1:  # stage 1 writes the output
         part_out, part_lse = out, lse if return_lse else out.new_empty((1,), dtype=torch.float32)
         counters = part_lse  # unused
@@ -583,9 +648,10 @@ def decode_attention(
         part_lse = torch.empty((bsz, hq, plan.splits), dtype=torch.float32, device=q.device)
         counters = _split_counters(q.device, bsz * hkv)
     per_sm = programs_per_sm(plan.tiles, d, itemsize, tuning)
+    scales = (k_scale, v_scale) if fp8 else None
     launch = functools.partial(
-        _launch, q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse,
-        counters, scale, window, softcap, plan, per_sm, return_lse, split_size is not None,
+        _launch, q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out,
+        lse, counters, scale, window, softcap, plan, per_sm, return_lse, split_size is not None,
         chain,
     )  # fmt: skip
     _launch_maybe_pdl(q.device, tuning.pdl, launch)
@@ -630,11 +696,12 @@ def _merge_per_thread(per_sm: int, num_warps: int) -> int:
 
 
 def _launch(
-    q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, lse, counters,
-    scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, pdl,
+    q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out, lse,
+    counters, scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, pdl,
 ):  # fmt: skip
     """Stage 1, merging in its last program per (sequence, KV head); launched early (PDL) when
-    ``pdl``, and then letting the next kernel launch early too when ``chain``."""
+    ``pdl``, and then letting the next kernel launch early too when ``chain``. ``scales``:
+    an fp8 cache's (k_scale, v_scale), else None."""
     bsz, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     block_n, num_warps, num_stages = plan.tiles
@@ -650,17 +717,19 @@ def _launch(
     merge_h = triton.next_power_of_2(group)
     merge_s = _merge_chunk(merge_h, block_d, fixed, _merge_per_thread(per_sm, num_warps))
     extra = {"launch_pdl": True} if pdl else {}
+    k_scale, v_scale = scales or (k_cache, v_cache)  # unread without FP8
     _decode_split_kernel[(bsz, hkv, plan.splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out,
+        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_tables, part_out, part_lse, out,
         lse if return_lse else part_lse, counters,
         scale * _LOG2E, *softcap_factors(scale, softcap), window, plan.splits, plan.min_split,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0) if scales else 0,
         block_tables.stride(0),
         *sp, *spl, out.stride(0), out.stride(1), *sl,
         GROUP=group, HEAD_DIM=d, PAGE=page, DIRECT=direct, STORE_LSE=return_lse,
         PDL_WAIT=pdl, CHAIN=pdl and chain,  # pdl: the device has gdc_wait (pdl_chain's test)
-        WINDOWED=window > 0, SOFTCAP=softcap > 0,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0, FP8=scales is not None,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -668,14 +737,13 @@ def _launch(
     )  # fmt: skip
 
 
-def _check(q, k_cache, v_cache, seq_lens, block_tables, d, hkv):
+def _check(q, k_cache, v_cache, seq_lens, block_tables, d, hkv, k_scale, v_scale):
     if q.dim() != 3 or q.shape[2] != d:
         raise ValueError(f"q {tuple(q.shape)} must be [B, Hq, {d}]")
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads")
     check_kv_pages(k_cache, v_cache, hkv, d)
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} differ")
+    check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
     if q.stride(2) != 1:
         raise ValueError("the head dim of q must be contiguous")
     if seq_lens.dtype != torch.int32 or block_tables.dtype != torch.int32:

@@ -16,6 +16,14 @@ last of the ``S`` programs of a tile to finish (an atomic counter per tile tells
 partials in split order, adds the bias and writes the output: one launch, and the same result
 whichever program finishes last.
 
+Float8 weights (``weight_scale`` given, ``kernels.quant``'s layouts) stream half the bytes: the
+kernel loads e4m3 tiles and widens them in registers (exact). Per-channel scales multiply the
+fp32 sums once, as they are stored (``out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]``); block
+scales vary along K, so they apply as the loop goes: at M = 1 they multiply x's K tile in fp32
+(BLOCK_N divides 128, so a tile's rows share their block row and the [1, BLOCK_K] scales serve
+them all), at M > 1 the weight tile before the dot (dequantized in fp32, rounded to x's dtype).
+A bf16/fp16/fp32 weight (``W_SCALE`` 0) compiles to the same code as before fp8 existed.
+
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
 counters live in a per-device buffer that every launch leaves zeroed (the summing program resets
 its own), so replays need no memset. Calls on one device must not overlap in time (one stream).
@@ -29,14 +37,18 @@ import triton.language as tl
 
 from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
+from kernels.fp8 import fp8_linear
 
 MAX_M = 16
 
 
 @triton.jit
-def _store_out(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
-    """out[m, n] = acc[m, n] (+ bias[n]) for m < M, n < N; acc [BM, BN] fp32."""
+def _store_out(acc, Bias, Scale, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr,
+               ROW_SCALE: tl.constexpr):  # fmt: skip
+    """out[m, n] = acc[m, n] (* scale[n]) (+ bias[n]) for m < M, n < N; acc [BM, BN] fp32."""
     n_mask = offs_n < N
+    if ROW_SCALE:
+        acc *= tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -44,10 +56,28 @@ def _store_out(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.con
 
 
 @triton.jit
+def _block_scales(s_row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The scales of K columns ``[k0, k0 + BLOCK_K)`` of one row of 128x128 blocks (``s_row``
+    points at it), broadcast to [1, BLOCK_K]: one load per block, not per column (a gather of
+    ``k // 128`` loads every column's). A scalar when the tile lies within one block."""
+    if BLOCK_K < 128:  # BLOCK_K divides 128 and k0 is a multiple of it
+        s = tl.load(s_row + k0 // 128)
+    else:
+        kb = k0 // 128 + tl.arange(0, BLOCK_K // 128)  # [BK / 128]
+        if EVEN_K:
+            sb = tl.load(s_row + kb)
+        else:
+            sb = tl.load(s_row + kb, mask=kb < tl.cdiv(K, 128), other=0.0)
+        s = tl.reshape(tl.broadcast_to(sb[:, None], [BLOCK_K // 128, 128]), [1, BLOCK_K])
+    return s
+
+
+@triton.jit
 def _linear_kernel(
     X,  # [M, K]
-    W,  # [N, K] contiguous
+    W,  # [N, K] contiguous: x's dtype, or float8 e4m3 (W_SCALE > 0)
     Bias,  # [N] (HAS_BIAS)
+    Scale,  # fp32: [N] (W_SCALE 1) or [cdiv(N, 128), cdiv(K, 128)] (W_SCALE 2)
     Out,  # [M, N]
     Part,  # [S, M, N] fp32 partial sums (SPLIT)
     Counters,  # [cdiv(N, BLOCK_N)] int32, zero between launches (SPLIT)
@@ -69,6 +99,7 @@ def _linear_kernel(
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     CHAIN: tl.constexpr,
+    W_SCALE: tl.constexpr = 0,  # 0: none; 1: one per row (at the end); 2: 128x128 blocks
 ):
     pdl_enter(CHAIN)
     pid_n = tl.program_id(0)
@@ -83,6 +114,10 @@ def _linear_kernel(
     x_rows = tl.minimum(offs_m, M - 1)
     w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, BK]
     x_ptrs = X + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [BM, BK]
+    if W_SCALE == 2:
+        # BLOCK_N divides 128, so the tile's rows share one row of scale blocks: the scales
+        # vary along K only ([1, BK] per tile)
+        s_row = Scale + (pid_n * BLOCK_N // 128) * tl.cdiv(K, 128)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -95,8 +130,16 @@ def _linear_kernel(
             k_mask = (k0 + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_last")
+        if W_SCALE == 2:
+            s = _block_scales(s_row, k0, K, BLOCK_K, EVEN_K)  # [1, BK], or a scalar
         if USE_DOT:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BM]
+            if W_SCALE == 2:  # dequantized in fp32, then rounded to x's dtype
+                w = (w.to(tl.float32) * s).to(X.dtype.element_ty)
+            # [BN, BM]; a float8 weight is widened to x's dtype (exact)
+            acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc,
+                         input_precision=DOT_PRECISION)  # fmt: skip
+        elif W_SCALE == 2:  # the scales multiply x, in fp32: BK products, not BN * BK
+            acc2 += w.to(tl.float32) * (x.to(tl.float32) * s)
         else:
             acc2 += w.to(tl.float32) * x.to(tl.float32)  # x [1, BK] broadcast over rows
         w_ptrs += BLOCK_K
@@ -124,9 +167,10 @@ def _linear_kernel(
                 ptrs = part[None, :, :] + idx[:, None, None] * M * N  # [MS, BM, BN]
                 live = (idx < num_splits)[:, None, None] & out_mask[None, :, :]
                 total += tl.sum(tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg"), 0)
-            _store_out(total, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+            _store_out(total, Bias, Scale, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS,
+                       W_SCALE == 1)  # fmt: skip
     else:
-        _store_out(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+        _store_out(acc, Bias, Scale, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS, W_SCALE == 1)
 
 
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
@@ -169,19 +213,67 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
     return max(1, min(triton.cdiv(num_sms, tiles_n), k // max(_MIN_SPLIT_K, block_k)))
 
 
-def gemv_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product."""
-    if m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
-        tile = _TILE_M1_NARROW
+# float8 weights (W_SCALE 1, 2): not measured yet (GPU sweep: ``python -m kernels.bench_fp8
+# --sweep``). Each tile streams the bytes per step of the bf16 tile it stands for (an fp8
+# element is half the bytes: twice the rows), with 8 warps at M = 1 to keep the [BLOCK_N,
+# BLOCK_K] fp32 accumulator at 64 registers a thread. sm_90 compile reports (Triton 3.9,
+# registers, no spills anywhere): M = 1 (8, 2048, 8 warps) 124 per channel / 136 blocks,
+# (16, 1024, 8) 128 / 135, narrow (4, 1024, 4) 64; M > 1 (64, 256) 166 per channel, 244 blocks
+# (the [1, BK] scales times the tile), so blocks take (32, 512): 80.
+_FP8_TILE_M1 = (16, 1024, 8, 3)
+_FP8_TILE_M1_LONG = (8, 2048, 8, 3)
+_FP8_TILE_M1_NARROW = (4, 1024, 4, 4)
+_FP8_TILE_DOT_WIDE = (64, 256, 4, 4)
+_FP8_TILE_DOT_NARROW = (32, 512, 4, 4)
+_FP8_BLOCK_TILE_DOT = (32, 512, 4, 4)
+
+W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
+
+
+def gemv_config(
+    m: int, n: int, k: int, num_sms: int, w_scale: int = W_SCALE_NONE
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product;
+    ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2) scales."""
+    fp8 = w_scale != W_SCALE_NONE
+    m1, m1_long, narrow = (_FP8_TILE_M1, _FP8_TILE_M1_LONG, _FP8_TILE_M1_NARROW) if fp8 else (
+        _TILE_M1, _TILE_M1_LONG, _TILE_M1_NARROW)  # fmt: skip
+    wide, dot_narrow = (_FP8_TILE_DOT_WIDE, _FP8_TILE_DOT_NARROW) if fp8 else (
+        _TILE_DOT_WIDE, _TILE_DOT_NARROW)  # fmt: skip
+    if m == 1 and triton.cdiv(n, m1[0]) < num_sms:
+        tile = narrow
     elif m == 1:
-        pad = triton.cdiv(k, _TILE_M1_LONG[1]) * _TILE_M1_LONG[1] - k
-        tile = _TILE_M1_LONG if pad <= _TILE_M1_LONG_PAD * k else _TILE_M1
-    elif triton.cdiv(n, _TILE_DOT_WIDE[0]) >= _WIDE_TILES_PER_SM * num_sms:
-        tile = _TILE_DOT_WIDE
+        pad = triton.cdiv(k, m1_long[1]) * m1_long[1] - k
+        tile = m1_long if pad <= _TILE_M1_LONG_PAD * k else m1
+    elif w_scale == W_SCALE_BLOCK:
+        tile = _FP8_BLOCK_TILE_DOT
+    elif triton.cdiv(n, wide[0]) >= _WIDE_TILES_PER_SM * num_sms:
+        tile = wide
     else:
-        tile = _TILE_DOT_NARROW
+        tile = dot_narrow
     block_n, block_k, warps, stages = tile
     return block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), warps, stages
+
+
+def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
+    """_linear_kernel's W_SCALE for a weight and its scales (None: not quantized), checked:
+    a float8 e4m3 weight with float32 scales ``[N]`` or ``[cdiv(N, 128), cdiv(K, 128)]``."""
+    if weight_scale is None:
+        return W_SCALE_NONE
+    n, k = weight.shape
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"a weight with scales must be float8_e4m3fn, got {weight.dtype}")
+    if weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous():
+        raise ValueError(f"weight_scale must be contiguous float32, got {weight_scale.dtype}")
+    if weight_scale.device != weight.device:
+        raise ValueError(f"weight_scale on {weight_scale.device}, weight on {weight.device}")
+    blocks = (triton.cdiv(n, 128), triton.cdiv(k, 128))
+    if weight_scale.shape == (n,):
+        return W_SCALE_CHANNEL
+    if weight_scale.shape == blocks:
+        return W_SCALE_BLOCK
+    raise ValueError(f"weight_scale must be [{n}] (per channel) or {list(blocks)} (128x128 "
+                     f"blocks); got {list(weight_scale.shape)}")  # fmt: skip
 
 
 # one per output tile: the last K-split program of each sums the partials
@@ -189,7 +281,8 @@ _COUNTERS = SplitCounters("linear_small_m", 1 << 16)
 _split_counters = _COUNTERS.take
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           w_scale: int) -> None:  # fmt: skip
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")  # fmt: skip
@@ -197,43 +290,52 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(f"linear_small_m takes 1 <= M <= {MAX_M} rows; got {x.shape[0]}")
     if weight.numel() == 0:
         raise ValueError(f"weight {tuple(weight.shape)} is empty")
-    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x {x.dtype} and weight {weight.dtype} must be one of fp16/bf16/fp32")
+    w_dtype = x.dtype if w_scale != W_SCALE_NONE else weight.dtype
+    if x.dtype != w_dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x {x.dtype} and weight {weight.dtype} must be one of fp16/bf16/fp32 "
+                         "(or a float8 weight with its scales)")  # fmt: skip
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x rows (K) and weight must be contiguous")
     if x.device != weight.device:
         raise ValueError(f"x on {x.device}, weight on {weight.device}")
     if bias is not None and (
-        bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype or bias.stride(0) != 1
+        bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1
     ):
-        raise ValueError(f"bias must be contiguous {weight.dtype} [{weight.shape[0]}]; got "
+        raise ValueError(f"bias must be contiguous {x.dtype} [{weight.shape[0]}]; got "
                          f"{bias.dtype} {tuple(bias.shape)}")  # fmt: skip
 
 
-def _check_config(block_n: int, block_k: int, split_k: int, use_dot: bool) -> None:
+def _check_config(block_n: int, block_k: int, split_k: int, use_dot: bool, w_scale: int) -> None:
     pow2 = all(b > 0 and b & (b - 1) == 0 for b in (block_n, block_k))
     if not pow2 or split_k < 1 or (use_dot and min(block_n, block_k) < 16):
         raise ValueError(f"config: BLOCK_N {block_n}, BLOCK_K {block_k} must be powers of two "
                          f"(>= 16 for M > 1, tl.dot), SPLIT_K {split_k} >= 1")  # fmt: skip
+    if w_scale == W_SCALE_BLOCK and block_n > 128:
+        raise ValueError(f"config: BLOCK_N {block_n} must be <= 128 with 128x128 block scales")
 
 
 def linear_small_m(
     x: torch.Tensor,  # [M, K], rows contiguous, any row stride
-    weight: torch.Tensor,  # [N, K] contiguous (nn.Linear layout)
+    weight: torch.Tensor,  # [N, K] contiguous (nn.Linear layout); x's dtype or float8 e4m3
     bias: torch.Tensor | None = None,  # [N]
     out: torch.Tensor | None = None,  # [M, N], rows contiguous
     *,
+    weight_scale: torch.Tensor | None = None,  # fp32 [N] or [cdiv(N, 128), cdiv(K, 128)]
     config: tuple[int, int, int, int, int] | None = None,
     chain: bool = True,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
+    With ``weight_scale`` the weight is float8 e4m3 (half the bytes streamed) and stands for
+    ``weight * scale`` (``kernels.quant``): per-channel scales multiply each output column
+    once, after the sum; 128x128 block scales multiply each K tile's products as it goes.
     ``config`` = (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) overrides ``gemv_config``
     (SPLIT_K is capped at the number of K tiles, and lowered so that no split is empty).
     ``chain``: join the decode layer's PDL chain where the device supports it
     (``kernels.common.pdl_chain``).
     """
-    _check(x, weight, bias)
+    w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
+    _check(x, weight, bias, w_scale)
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -241,10 +343,10 @@ def linear_small_m(
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be {x.dtype} [{m}, {n}] with contiguous rows")
     block_n, block_k, split_k, num_warps, num_stages = config or gemv_config(
-        m, n, k, _num_sms(x.device)
+        m, n, k, _num_sms(x.device), w_scale
     )
     use_dot = m > 1
-    _check_config(block_n, block_k, split_k, use_dot)
+    _check_config(block_n, block_k, split_k, use_dot, w_scale)
     tiles_n, tiles_k = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     per_split = triton.cdiv(tiles_k, min(split_k, tiles_k))
     splits = triton.cdiv(tiles_k, per_split)
@@ -255,27 +357,29 @@ def linear_small_m(
         part = counters = out  # unused
     block_m = 16 if use_dot else 1
     _linear_kernel[(tiles_n, splits)](
-        x, weight, bias if bias is not None else weight, out, part, counters,
+        x, weight, bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight, out, part, counters,
         m, n, k, splits, per_split * block_k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         MERGE_S=min(triton.next_power_of_2(splits), 8 if use_dot else 16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, **pdl_kwargs(x.device, chain),
+        W_SCALE=w_scale, num_warps=num_warps, **pdl_kwargs(x.device, chain),
     )  # fmt: skip
     return out
 
 
 def linear(
     x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K]: x's dtype, or float8 e4m3 with weight_scale
     bias: torch.Tensor | None = None,  # [N]
+    weight_scale: torch.Tensor | None = None,  # fp32 [N] or [cdiv(N, 128), cdiv(K, 128)]
     *,
     chain: bool = True,
 ) -> torch.Tensor:  # [T, N]
     """``F.linear`` for the Triton backend: ``linear_small_m`` on CUDA at decode batch sizes
-    (1 <= T <= MAX_M, contiguous weight and rows, taking ``chain`` as it does), cuBLAS
-    otherwise."""
+    (1 <= T <= MAX_M, contiguous weight and rows, taking ``chain`` as it does); above, cuBLAS,
+    or for a float8 weight ``kernels.fp8.fp8_linear`` (FP8 tensor cores)."""
     if (
         x.is_cuda
         and 1 <= x.shape[0] <= MAX_M
@@ -283,5 +387,7 @@ def linear(
         and x.stride(1) == 1
         and weight.is_contiguous()
     ):
-        return linear_small_m(x, weight, bias, chain=chain)
+        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain)
+    if weight_scale is not None:
+        return fp8_linear(x, weight, weight_scale, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -23,6 +23,11 @@ block-table entries and pages never read (they may be back in the pool, holding 
 The few tiles on the window's left edge are masked like the diagonal's, the tiles between run
 unmasked, so the work per query tile grows with the window, not the context. Windows and
 soft-capping are constexpr switches: without them the kernel compiles as before.
+
+An fp8 cache (the ``FP8`` constexpr; ``kernels.kv_quant``) is dequantized as tiles load, as in
+``kernels.decode``: each K/V tile's per-token scales load beside it, the e4m3 tile converts
+exactly to the queries' dtype for the same dots (float32 accumulation), the K scales multiply
+the score columns and the V scales (times ``V_SCALE_SHIFT``) the columns of P.
 """
 
 from __future__ import annotations
@@ -31,9 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_window_softcap, softcap_factors, softcap_log2
+from kernels.common import (
+    check_cache_dtypes,
+    check_window_softcap,
+    softcap_factors,
+    softcap_log2,
+)
+from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
 
 _LOG2E = 1.4426950408889634
+_V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals only
 
 
 @triton.jit
@@ -44,8 +56,11 @@ def _prefill_inner(
     q,  # [BM, BD]
     K,
     V,
+    KS,  # FP8: the K and V scale pools [N, Hkv, PAGE]
+    VS,
     bt,  # this sequence's block-table row
     head_off,  # kv_head * stride_kh
+    s_head,  # FP8: kv_head * PAGE, the head's offset in a page of scales
     lo,
     hi,  # KV positions [lo, hi), lo a multiple of BLOCK_N
     q_pos,  # [BM] positions of the queries
@@ -57,9 +72,11 @@ def _prefill_inner(
     cap_out,
     stride_kb,
     stride_kt,
+    stride_sb,
     MASKED: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -69,7 +86,8 @@ def _prefill_inner(
     """Online softmax of one query tile over KV tiles [lo, hi); MASKED applies the causal and
     sequence-end masks (the tiles on the diagonal), and with WINDOWED the window's (the tiles
     on its left edge; keys left of ``win_lo`` are not loaded), otherwise every key is visible.
-    SOFTCAP: scores soft-capped (``softcap_log2``)."""
+    SOFTCAP: scores soft-capped (``softcap_log2``). FP8: e4m3 K/V with per-token scales;
+    ``acc`` then carries a factor ``V_SCALE_SHIFT``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -95,7 +113,21 @@ def _prefill_inner(
         else:
             k = tl.load(K + ptrs, mask=d_mask[None, :], other=0.0)
             v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
+        if FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
+            srow = page * stride_sb + s_head + kv % PAGE  # [BN]
+            if PAGE < BLOCK_N:
+                srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
+            else:
+                srow = tl.max_contiguous(tl.multiple_of(srow, BLOCK_N), BLOCK_N)
+            k_sc = tl.load(KS + srow).to(tl.float32)  # masked below with the scores
+            v_sc = tl.load(VS + srow).to(tl.float32)
+            if MASKED:  # past the end a slot's scale may be anything: 0 * NaN is NaN
+                v_sc = tl.where(live, v_sc, 0.0)
+            k = k.to(q.dtype)  # exact
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+        if FP8:
+            s = s * k_sc[None, :]
         if SOFTCAP:
             s = softcap_log2(s, cap_in, cap_out)  # log2 units
         if MASKED:
@@ -123,6 +155,8 @@ def _prefill_inner(
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if FP8:
+            p = p * (v_sc * _V_SHIFT)[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -133,6 +167,8 @@ def _prefill_kernel(
     Q,  # [T, Hq, D]
     K,  # [N, PAGE, Hkv, D]
     V,  # [N, PAGE, Hkv, D]
+    KS,  # [N, Hkv, PAGE] (FP8): K's scales
+    VS,  # [N, Hkv, PAGE] (FP8): V's scales
     CuSeqlensQ,  # [B+1] int32
     SeqLens,  # [B] int32
     BlockTables,  # [B, M] int32
@@ -147,6 +183,7 @@ def _prefill_kernel(
     stride_kb,
     stride_kt,
     stride_kh,
+    stride_sb,  # FP8: the scale pools' block stride
     stride_btb,
     stride_ot,
     stride_oh,
@@ -158,6 +195,7 @@ def _prefill_kernel(
     STORE_LSE: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -191,6 +229,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt = BlockTables + b.to(tl.int64) * stride_btb
     head_off = (h // GROUP).to(tl.int64) * stride_kh
+    s_head = (h // GROUP) * PAGE
     # keys before the tile's first query are visible to all its queries (causally)
     full_end = (ctx + m0) // BLOCK_N * BLOCK_N
     if WINDOWED:
@@ -200,30 +239,33 @@ def _prefill_kernel(
         all_lo = tl.maximum(ctx + m0 + BLOCK_M - window, 0)
         mid = tl.minimum(tl.cdiv(all_lo, BLOCK_N) * BLOCK_N, full_end)
         acc, l_i, m_i = _prefill_inner(
-            acc, l_i, m_i, q, K, V, bt, head_off, win_lo // BLOCK_N * BLOCK_N, mid, q_pos,
-            seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
-            MASKED=True, WINDOWED=True, SOFTCAP=SOFTCAP, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
+            acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, s_head, win_lo // BLOCK_N * BLOCK_N,
+            mid, q_pos, seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb,
+            stride_kt, stride_sb, MASKED=True, WINDOWED=True, SOFTCAP=SOFTCAP, FP8=FP8,
+            PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     else:
         win_lo = 0
         mid = 0
     acc, l_i, m_i = _prefill_inner(
-        acc, l_i, m_i, q, K, V, bt, head_off, mid, full_end, q_pos, seq_len, win_lo, window,
-        qk_scale, cap_in, cap_out, stride_kb, stride_kt,
-        MASKED=False, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
+        acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, s_head, mid, full_end, q_pos, seq_len,
+        win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt, stride_sb,
+        MASKED=False, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8, PAGE=PAGE,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     # the diagonal: up to the tile's last query
     diag_end = tl.minimum(ctx + m0 + BLOCK_M, seq_len)
     acc, l_i, m_i = _prefill_inner(
-        acc, l_i, m_i, q, K, V, bt, head_off, full_end, diag_end, q_pos, seq_len, win_lo,
-        window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
-        MASKED=True, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
+        acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, s_head, full_end, diag_end, q_pos,
+        seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt, stride_sb,
+        MASKED=True, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8, PAGE=PAGE,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
 
     out = acc / l_i[:, None]
+    if FP8:
+        out = out * (1.0 / _V_SHIFT)  # a power of two: exact
     tl.store(
         Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -264,6 +306,8 @@ def prefill_attention(
     config: tuple[int, int, int, int] | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Causal attention of each chunk over its cached context plus itself (see module doc).
 
@@ -272,6 +316,8 @@ def prefill_attention(
     (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuning. ``window`` > 0: a query at
     position p sees keys ``p - window < j <= p`` only, and the pages left of its window are
     not read; ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)`` (0: off).
+    An fp8 cache (``float8_e4m3fn`` pages) comes with its scale pools ``k_scale``/``v_scale``
+    ``[N, Hkv, BS]`` (``kernels.kv_quant``).
     Returns ``out`` [T, Hq, D], and ``lse`` [T, Hq] fp32 (natural log) if ``return_lse``.
     """
     del max_seq_len
@@ -282,10 +328,8 @@ def prefill_attention(
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} differ")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"unsupported dtype {q.dtype}")
+    check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     if q.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError("the head dim of q and the caches must be contiguous")
     if page & (page - 1):
@@ -311,15 +355,17 @@ def prefill_attention(
     lse_arg = lse if return_lse else out
     grid = (triton.cdiv(max_query_len, block_m), hq, bsz)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+        cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
         scale * _LOG2E, *softcap_factors(scale, softcap), window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, STORE_LSE=return_lse,
-        WINDOWED=window > 0, SOFTCAP=softcap > 0,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0, FP8=fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,

@@ -10,7 +10,10 @@ exactly where Hugging Face transformers' Llama does, so the torch backend reprod
 Cache layout, shared with the Triton kernels: one pool per layer for K and one for V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a sequence lives in block
 ``block_table[t // block_size]`` at offset ``t % block_size``; its *slot* is
-``block * block_size + offset``.
+``block * block_size + offset``. An fp8 cache (``kernels.kv_quant``) adds scale pools
+``k_scale``/``v_scale`` ``[num_blocks, num_kv_heads, block_size]``: ``write_kv`` quantizes into
+it, and the attention dequantizes the pages it gathers (to float32, float64 for float64
+queries) before the same math.
 
 Grouped-query attention: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
 Softmax is over ``scale * q.k``; the LSE returned is the natural-log log-sum-exp of those
@@ -31,13 +34,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import check_kv_scales, dequantize_fp8, quantize_fp8
+from kernels.quant import dequantize
+
 
 def linear(
     x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K]: x's dtype, or float8 e4m3 with weight_scale
     bias: torch.Tensor | None = None,  # [N]
+    weight_scale: torch.Tensor | None = None,  # fp32 [N] or [cdiv(N, 128), cdiv(K, 128)]
 ) -> torch.Tensor:  # [T, N]
-    """``x @ weight.T + bias``."""
+    """``x @ weight.T + bias``; a float8 weight is first dequantized to x's dtype
+    (``kernels.quant.dequantize``: ``weight * scale`` in float32, then rounded)."""
+    if weight_scale is not None:
+        weight = dequantize(weight, weight_scale, x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -126,12 +136,16 @@ def rope_write_kv(
     k_norm: torch.Tensor | None = None,  # [D]: the same for each key head
     norm_eps: float = 1e-6,
     norm_unit_offset: bool = False,  # the q/k norms are Gemma's ``(1 + w)`` norms
+    *,
+    k_scale: torch.Tensor | None = None,  # [N, Hkv, BS]: an fp8 cache's scale pools
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D], the rotated queries
     """Rotate the queries and keys of a step by their positions and store K and V in the cache.
 
     The tables may be narrower than the head (``[P, R/2]``, ``R < D``): then only the first
     ``R`` dims of each head rotate. With ``q_norm``/``k_norm``, each head is RMS-normalised over
-    its ``D`` dims first (``rms_norm``'s rounding)."""
+    its ``D`` dims first (``rms_norm``'s rounding). An fp8 cache stores the rotated keys (in
+    the activations' dtype) and the values quantized (``write_kv``)."""
     t, d = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q, k = q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d)
@@ -142,7 +156,7 @@ def rope_write_kv(
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, R/2]
     q = apply_rope(q, c, s)
     k = apply_rope(k, c, s)
-    write_kv(k, v.view(t, num_kv_heads, d), k_cache, v_cache, slot_mapping)
+    write_kv(k, v.view(t, num_kv_heads, d), k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -152,12 +166,24 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, BS, Hkv, D]
     v_cache: torch.Tensor,  # [N, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64; -1 marks a padding token that is not stored
+    k_scale: torch.Tensor | None = None,  # [N, Hkv, BS]: an fp8 cache's scale pools
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each token's K and V at its cache slot."""
+    """Store each token's K and V at its cache slot; an fp8 cache gets them quantized per
+    (token, KV head) (``kv_quant.quantize_fp8``) and their scales at the same slot."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    if not check_kv_scales(k_cache, k_scale, v_scale):
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+        return
+    bs = k_cache.shape[1]
+    blocks, offsets = slots // bs, slots % bs
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        q, scale = quantize_fp8(x[keep])  # [T', Hkv, D], [T', Hkv]
+        # as bytes: index_put has no float8 kernel on some devices and torch versions
+        cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = q.view(torch.uint8)
+        scales[blocks, :, offsets] = scale
 
 
 def gather_kv(
@@ -165,8 +191,11 @@ def gather_kv(
     block_table: torch.Tensor,  # [M] int
     seq_len: int,
     start: int = 0,
+    scale: torch.Tensor | None = None,  # [N, Hkv, BS]: an fp8 cache's scales
+    dtype: torch.dtype = torch.float32,  # what an fp8 cache is dequantized to
 ) -> torch.Tensor:  # [seq_len - start, Hkv, D]
-    """One sequence's cached tokens ``start .. seq_len-1``, contiguous.
+    """One sequence's cached tokens ``start .. seq_len-1``, contiguous; dequantized to
+    ``dtype`` with ``scale`` (an fp8 cache).
 
     Only the pages holding those tokens are indexed: with a sliding window, the pages left of
     the window's start may already be back in the pool and hold another sequence's K/V (or
@@ -174,7 +203,12 @@ def gather_kv(
     block_size = cache.shape[1]
     first = start // block_size
     num_blocks = -(-seq_len // block_size)
-    pages = cache[block_table[first:num_blocks].long()]  # [nb - first, BS, Hkv, D]
+    ids = block_table[first:num_blocks].long()
+    if scale is None:
+        pages = cache[ids]  # [nb - first, BS, Hkv, D]
+    else:  # gathered as bytes (no float8 index kernel on some devices), then dequantized
+        pages = cache.view(torch.uint8)[ids].view(cache.dtype)
+        pages = dequantize_fp8(pages, scale[ids].transpose(1, 2), dtype)
     skip = start - first * block_size
     return pages.reshape(-1, *cache.shape[2:])[skip : seq_len - first * block_size]
 
@@ -297,6 +331,9 @@ def decode_attention(
     return_lse: bool = False,
     window: int = 0,
     softcap: float = 0.0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """One query token per sequence attending to its cached tokens (the last ``window`` of
     them when ``window`` > 0)."""
@@ -304,7 +341,8 @@ def decode_attention(
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return prefill_attention(
         q, k_cache, v_cache, cu, seq_lens, block_tables, scale, out=out,
-        return_lse=return_lse, window=window, softcap=softcap,
+        return_lse=return_lse, window=window, softcap=softcap, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -322,6 +360,9 @@ def prefill_attention(
     return_lse: bool = False,
     window: int = 0,
     softcap: float = 0.0,
+    *,
+    k_scale: torch.Tensor | None = None,  # [N, Hkv, BS]: an fp8 cache's scale pools
+    v_scale: torch.Tensor | None = None,
 ):
     """Causal attention of each chunk over its sequence's cached context plus itself.
 
@@ -330,9 +371,12 @@ def prefill_attention(
     when ``window`` > 0; ``softcap`` as in ``attention``). The explicit math (``attention``)
     runs when the LSE, float64 or soft-capping is asked for, SDPA (``sdpa_attention``) else.
     With a window, only the pages from the chunk's first query's window on are read
-    (``gather_kv``'s ``start``): pages left of it may have been freed and reused.
+    (``gather_kv``'s ``start``): pages left of it may have been freed and reused. An fp8
+    cache's pages are dequantized as they are gathered (float64 for float64 queries).
     """
     del max_query_len, max_seq_len
+    check_kv_scales(k_cache, k_scale, v_scale)
+    deq = torch.float64 if q.dtype == torch.float64 else torch.float32
     if out is None:
         out = torch.empty_like(q)
     lse_all = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -346,8 +390,8 @@ def prefill_attention(
         # keys from the first query's window on: the mask only depends on positions relative
         # to the queries, so attention() sees the same problem, shifted
         first = _window_start(lens[b], qs.shape[0], window)
-        k = gather_kv(k_cache, block_tables[b], lens[b], first)
-        v = gather_kv(v_cache, block_tables[b], lens[b], first)
+        k = gather_kv(k_cache, block_tables[b], lens[b], first, k_scale, deq)
+        v = gather_kv(v_cache, block_tables[b], lens[b], first, v_scale, deq)
         if not explicit:
             o = sdpa_attention(qs, k, v, scale, window=window)
             out[cu[b] : cu[b + 1]] = o.to(out.dtype)

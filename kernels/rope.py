@@ -20,6 +20,16 @@ fusion on (its default) would merge a multiply and the following add into one FM
 a rounding; the kernel is compiled without. The head norms round as ``reference.rms_norm``
 does; only the order of their float32 sum of squares differs from torch (an ulp of the normed
 value at most, which the rotation carries along).
+
+An fp8 cache (``k_scale``/``v_scale`` given; ``kernels.kv_quant``) gets each key and value head
+quantized in the same pass, from the rounded values the reference stores: the head's amax,
+its scale (``amax / 448`` rounded to bf16, stored at the token's slot of the scale pool) and
+``x / scale`` rounded to e4m3, all as ``kv_quant.quantize_fp8`` computes them (correctly
+rounded divisions, round to nearest even), so the fp8 bytes and scales equal the reference's.
+The rounding to e4m3 is done in float32 arithmetic (``_e4m3``) and the exact result converted:
+Triton's interpreter converts float32 to float8e4nv wrongly (it drops the carry into the
+exponent: 127.9 -> 64, not 128; Triton 3.9), and the GPU's conversion of an exact value is
+the same either way.
 """
 
 from __future__ import annotations
@@ -29,6 +39,12 @@ import triton
 import triton.language as tl
 
 from kernels.common import check_kv_pages, pdl_enter, pdl_kwargs, pdl_trigger
+from kernels.kv_quant import FP8_AMAX_FLOOR, FP8_MAX, KV_SCALE_DTYPE, check_kv_scales
+
+assert KV_SCALE_DTYPE == torch.bfloat16, "_fp8_scale rounds the scales to bf16"
+# the format's constants as the kernel sees them (a jit function reads constexpr globals only)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
 
 @triton.jit
@@ -39,6 +55,33 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
     e = (x2 * c).to(DT).to(tl.float32)
     f = (x1 * s).to(DT).to(tl.float32)
     return (a - b).to(DT), (e + f).to(DT)
+
+
+@triton.jit
+def _e4m3(x, scale):
+    """``x / scale`` clamped to +-448 and rounded to the nearest e4m3 value (ties to even), as
+    float32: ``(a + c) - c`` rounds ``a`` to a multiple of ``ulp(c)``, and ``c = 2^(e + 20)``
+    makes that e4m3's step in ``a``'s binade ``[2^e, 2^(e+1))``, ``2^(e-3)`` (``2^-9`` below
+    2^-6, e4m3's subnormals); a carry into the next binade comes out right. The sign is
+    copied bitwise, so -0 stays -0 as in torch."""
+    y = tl.math.div_rn(x, scale)
+    a = tl.minimum(tl.abs(y), _FP8_MAX)
+    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127 - 6)  # biased exponent
+    c = ((e + 20) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
+
+
+@triton.jit
+def _fp8_scale(amax):
+    """A head's scale from its amax (float32 [BH]): ``max(amax, floor) / 448`` rounded to
+    bf16 (``KV_SCALE_DTYPE``), to nearest even on the float32 bits (the interpreter's
+    ``.to(tl.bfloat16)`` truncates; Triton 3.9); returned in float32 [BH], exactly the value
+    that is stored. Positive and finite: no sign or NaN to mind."""
+    s = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+    bits = s.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -69,9 +112,13 @@ def _rope_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,  # 0: every dim rotates
+    Scale=None,  # QUANT: where the first head's scale goes (the token's slot, scale pool)
+    stride_sh=0,  # QUANT: the scale pool's head stride
+    QUANT: tl.constexpr = False,  # Dst is fp8: quantize each head (``_e4m3``)
 ):
     """A token's heads: RMS-normalised over their ``D`` dims (HAS_NORM), the first ``R``
-    rotated, the rest passed through, stored at ``Dst``."""
+    rotated, the rest passed through, stored at ``Dst`` (QUANT: quantized per head, with its
+    scale stored at ``Scale``)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_HALF)
     m_r = (offs_h[:, None] < n_heads) & (offs_r[None, :] < HALF)  # [BH, BHALF]
@@ -93,6 +140,16 @@ def _rope_heads(
         if BLOCK_PASS > 0:
             xp = _normed(xp, inv, W + 2 * HALF, offs_p, offs_p < D - 2 * HALF, UNIT_OFFSET, DT)
     o1, o2 = _rotate(x1, x2, c, s, DT)
+    if QUANT:  # the rounded head, as the reference quantizes it
+        o1, o2 = o1.to(tl.float32), o2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(o1), 1), tl.max(tl.abs(o2), 1))  # [BH]
+        if BLOCK_PASS > 0:
+            amax = tl.maximum(amax, tl.max(tl.abs(xp), 1))
+        sc = _fp8_scale(amax)  # [BH]
+        tl.store(Scale + offs_h * stride_sh, sc.to(Scale.dtype.element_ty), mask=offs_h < n_heads)
+        o1, o2 = _e4m3(o1, sc[:, None]), _e4m3(o2, sc[:, None])
+        if BLOCK_PASS > 0:
+            xp = _e4m3(xp, sc[:, None])
     tl.store(dst + offs_r[None, :], o1.to(Dst.dtype.element_ty), mask=m_r)
     tl.store(dst + HALF + offs_r[None, :], o2.to(Dst.dtype.element_ty), mask=m_r)
     if BLOCK_PASS > 0:
@@ -110,6 +167,8 @@ def _rope_write_kv_kernel(
     QOut,  # [T, Hq, D]
     KCache,  # [N, BS, Hkv, D]
     VCache,  # [N, BS, Hkv, D]
+    KScale,  # [N, Hkv, BS] (QUANT)
+    VScale,  # [N, Hkv, BS] (QUANT)
     Slots,  # [T] int64
     stride_t,
     stride_qt,
@@ -118,6 +177,7 @@ def _rope_write_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,  # QUANT: the scale pools' block stride (head stride PAGE, token stride 1)
     eps,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -127,6 +187,7 @@ def _rope_write_kv_kernel(
     HAS_QNORM: tl.constexpr,
     HAS_KNORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    QUANT: tl.constexpr,  # an fp8 cache: quantize K and V per head, store their scales
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -158,8 +219,20 @@ def _rope_write_kv_kernel(
         v = tl.load(row + (HQ + HKV) * D + offs_g[:, None] * D + offs_d[None, :], mask=kv_mask,
                     other=0.0)  # fmt: skip
         page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
-        _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D, HALF,
-                    HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
+        if QUANT:
+            s_off = (slot // PAGE) * stride_sb + slot % PAGE  # head 0's scale of this slot
+            _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D,
+                        HALF, HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS,
+                        KScale + s_off, PAGE, QUANT=True)  # fmt: skip
+            v = v.to(tl.float32)
+            vs = _fp8_scale(tl.max(tl.abs(v), 1))  # [BHKV]
+            tl.store(VScale + s_off + offs_g * PAGE, vs.to(VScale.dtype.element_ty),
+                     mask=offs_g < HKV)  # fmt: skip
+            v = _e4m3(v, vs[:, None])
+        else:  # the statements (and so the compiled code) of the kernel before fp8
+            _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D,
+                        HALF, HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF,
+                        BLOCK_PASS)  # fmt: skip
         c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
         tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
 
@@ -179,16 +252,20 @@ def rope_write_kv(
     norm_eps: float = 1e-6,
     norm_unit_offset: bool = False,  # the q/k norms are Gemma's ``(1 + w)`` norms
     *,
+    k_scale: torch.Tensor | None = None,  # [N, Hkv, BS]: an fp8 cache's scale pools
+    v_scale: torch.Tensor | None = None,
     chain: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """``kernels.reference.rope_write_kv`` in one kernel (see the module doc); ``chain``: join
-    the decode layer's PDL chain where the device supports it (``kernels.common.pdl_chain``)."""
+    the decode layer's PDL chain where the device supports it (``kernels.common.pdl_chain``).
+    An fp8 cache (``float8_e4m3fn`` pools) needs its scale pools ``k_scale``/``v_scale``."""
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, {(num_heads + 2 * num_kv_heads) * d}] with "
                          f"contiguous rows; got {tuple(qkv.shape)}")  # fmt: skip
     check_kv_pages(k_cache, v_cache, num_kv_heads, d)
+    quant = check_kv_scales(k_cache, k_scale, v_scale)
     half = cos.shape[1] if cos.dim() == 2 else 0
     if not 0 < half <= d // 2 or sin.shape != cos.shape or cos.stride(1) != 1:
         raise ValueError(f"cos and sin must be [P, R/2] with R <= {d}; got {tuple(cos.shape)}")
@@ -204,12 +281,14 @@ def rope_write_kv(
         return q
     _rope_write_kv_kernel[(t,)](
         qkv, positions, cos, sin, qkv if q_norm is None else q_norm,
-        qkv if k_norm is None else k_norm, q, k_cache, v_cache, slot_mapping,
+        qkv if k_norm is None else k_norm, q, k_cache, v_cache,
+        k_scale if quant else k_cache, v_scale if quant else v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), norm_eps,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0) if quant else 0, norm_eps,
         HQ=num_heads, HKV=num_kv_heads, D=d, HALF=half, PAGE=page,
         HAS_QNORM=q_norm is not None, HAS_KNORM=k_norm is not None,
-        UNIT_OFFSET=norm_unit_offset,
+        UNIT_OFFSET=norm_unit_offset, QUANT=quant,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),

@@ -46,6 +46,9 @@ async def info(request: Request) -> Info:
         max_total_tokens=llm.max_model_len,
         prefix_caching=llm.config.enable_prefix_caching,
         tensor_parallel_size=llm.config.tensor_parallel_size,
+        kv_cache_dtype=llm.config.kv_cache_dtype,
+        kv_cache_tokens=llm.kv_cache_tokens,
+        kv_cache_gib=round(llm.kv_cache_bytes / 2**30, 3),
         version=flashserve.__version__,
     )
 

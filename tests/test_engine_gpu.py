@@ -155,3 +155,73 @@ def test_pdl_chain_gives_the_same_tokens(prompts, enforce_eager):
     for _ in range(2):
         got = _generate(prompts, enforce_eager=enforce_eager, max_num_seqs=8, pdl_chain=True)
         assert got == plain
+
+
+# ---- fp8 weights -----------------------------------------------------------------------------
+
+FP8_LOGIT_SLACK = 1.0  # bf16 rounding (0.5) plus e4m3 weights: the default model's fp32 gap 0.2
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_fp8_tokens_are_bf16_argmax_within_slack(prompts, enforce_eager):
+    """``--quantization fp8`` on the Triton backend (the fp8 GEMV in decode, FP8 tensor cores
+    in prefill): each greedy token is the bf16 model's argmax or close to it, teacher-forced;
+    and the model still knows the capital of France."""
+    from flashserve.loaders.load import default_model_path
+    from flashserve.tokenizer.tokenizer import Tokenizer
+
+    generated = _generate(prompts, enforce_eager=enforce_eager, quantization="fp8")
+    assert "Paris" in Tokenizer.from_gguf(default_model_path()).decode(generated[0])
+    llm = LLM(_config(attention_backend="triton", enforce_eager=True))
+    for prompt, tokens in zip(prompts, generated):
+        logits = _teacher_forced_logits(llm, prompt + tokens)[len(prompt) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+        gap = logits.max(dim=1).values - chosen
+        assert gap.max().item() <= FP8_LOGIT_SLACK, (tokens, gap.tolist())
+    _release(llm)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-channel"])
+def test_fp8_checkpoint_triton_tokens_are_torch_argmax(tmp_path, fmt):
+    """An fp8 checkpoint (written by test_fp8_loading) in bf16 on the Triton backend with CUDA
+    graphs: its tokens are the torch backend's (dequantize, then matmul) argmax within
+    rounding, prefill through the block GEMM or torch._scaled_mm, decode through the GEMV."""
+    from test_fp8_loading import write_pair
+
+    fp8_dir, _ = write_pair(tmp_path, fmt)
+    prompts = [[random.randrange(3, 512) for _ in range(n)] for n in (5, 40, 120)]
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    llm = LLM(_config(model=str(fp8_dir), attention_backend="triton", max_num_seqs=4))
+    assert llm.engine.runner.graphs is not None
+    generated = [c.token_ids for c in llm.generate(prompts, params)]
+    _release(llm)
+    ref = LLM(_config(model=str(fp8_dir), attention_backend="torch", enforce_eager=True))
+    for prompt, tokens in zip(prompts, generated):
+        logits = _teacher_forced_logits(ref, prompt + tokens)[len(prompt) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+        gap = logits.max(dim=1).values - chosen
+        # logits of std ~1 (the random model): bf16 rounding and fp8 activations in prefill;
+        # a wrong scale gives gaps of ~2
+        assert gap.max().item() <= 0.5, (tokens, gap.tolist())
+    _release(ref)
+
+
+def test_fp8_dummy_model_weights_are_fp8_on_the_device():
+    """A dummy model of Llama-3-8B's shape with fp8 weights: the projections are allocated in
+    float8 (no bf16 copy of the model on the device) and decode runs under CUDA graphs."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(EngineConfig(model="dummy:llama3-8b", quantization="fp8", max_num_seqs=2,
+                           max_model_len=256, max_kv_tokens=4096))  # fmt: skip
+    model = llm.engine.runner.model
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in model.linears())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights < 9.5e9  # 7.0e9 fp8 projection weights + 2.1e9 bf16 embeddings and head
+    # weights, one tensor's quantization temporaries (gate_up: ~1.7 GB), the 0.5 GB KV pool;
+    # a bf16 model on the way would take 16 GB
+    assert torch.cuda.max_memory_allocated() - before < weights + 3e9
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=8, temperature=0,
+                                                      ignore_eos=True))  # fmt: skip
+    assert len(out[0].token_ids) == 8
+    _release(llm)

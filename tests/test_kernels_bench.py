@@ -75,7 +75,8 @@ def test_window_inputs_hold_only_the_window_pages():
     from kernels import bench
 
     inp = bench.DecodeInputs(2, 256, 16, 1, 4, 2, d=64, live=72)  # pages 11..15 of 16
-    q, k, v, bt, _ = inp.sets[0]
+    q, pools, bt, _ = inp.sets[0]
+    k = pools["k_cache"]
     assert k.shape == (2 * 5, 16, 2, 64) and bt.shape == (2, 16)
     assert sorted(bt[:, 11:].flatten().tolist()) == list(range(10))
     assert bt.min() >= 0 and bt.max() < 10
@@ -88,3 +89,41 @@ def test_window_option_is_checked():
                                                           "1000"]):  # fmt: skip
         with pytest.raises(SystemExit):
             bench.main(argv)
+
+
+def test_fp8_gemv_bench_times_every_layout(tmp_path):
+    """``python -m kernels.bench_fp8``: bf16, fp8 per channel and fp8 blocks at each M, each
+    checked against its own weight first; fp8 reads about half the bytes."""
+    from kernels import bench_fp8
+
+    out = tmp_path / "fp8.json"
+    bench_fp8.main(["--shapes", "qkv", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    want = {(lay, m) for lay in bench_fp8.LAYOUTS for m in bench_fp8.MS}
+    assert {(r["layout"], r["M"]) for r in rows} == want
+    assert all(r["rel_err"] <= bench_fp8.MAX_ERR and r["pick_us"] > 0 for r in rows)
+    size = {r["layout"]: r["bytes"] for r in rows if r["M"] == 1}
+    assert size["fp8-channel"] < 0.6 * size["bf16"] and size["fp8-block"] < 0.6 * size["bf16"]
+
+
+def test_fp8_kv_grid_counts_the_bytes_it_reads(tmp_path, capsys):
+    """``--kv-dtype fp8``: our decode and prefill over e4m3 pools with their scales; ours GB/s
+    count one byte a value plus a 2-byte scale per token and head, the peers' their own."""
+    from kernels import bench
+
+    out = tmp_path / "fp8.json"
+    bench.main(["--batches", "1", "--contexts", "256", "--prefill", "256", "--kv-dtype", "fp8",
+                "--json", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["meta"]["kv_dtype"] == "fp8"
+    (row,) = res["decode"]
+    fp8_bytes = 2 * 256 * bench.HKV * (bench.D + 2)
+    assert row["kv_dtype"] == "fp8" and row["kv_mb"] == pytest.approx(fp8_bytes / 1e6)
+    assert row["ours_gbs"] == pytest.approx(fp8_bytes / row["ours_us"] / 1e3)
+    peer_bytes = 2 * 256 * bench.HKV * bench.D * bench.DT.itemsize
+    assert row["sdpa_gbs"] == pytest.approx(peer_bytes / row["sdpa_us"] / 1e3)
+    (pre,) = res["prefill"]
+    assert pre["kv_dtype"] == "fp8" and pre["ours_page16_us"] > 0
+    assert "our KV cache: fp8" in capsys.readouterr().out
+    pools = bench.kv_pools(3, 16, 2, 64, "fp8")
+    assert pools["k_cache"].dtype == torch.float8_e4m3fn and pools["v_scale"].shape == (3, 2, 16)

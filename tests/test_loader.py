@@ -87,6 +87,26 @@ def test_hf_dir_missing_tensor_is_named(tmp_path):
         load_model(str(tmp_path), "cpu", torch.float32, "torch")
 
 
+def test_hf_dir_static_kv_scales_are_accepted_and_skipped(tmp_path):
+    """FP8 checkpoints with a kv-cache scheme carry per-layer K/V scales under the names of
+    llm-compressor, AutoFP8 and TGI; our fp8 cache computes its own per token, so they load
+    without an "unexpected tensor" error and change nothing."""
+    hf = make_hf("llama")
+    save_hf_dir(hf, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    names = ("k_scale", "v_scale", "kv_scale", "k_proj.k_scale", "v_proj.v_scale")
+    for i in range(2):
+        state.update({f"model.layers.{i}.self_attn.{n}": torch.tensor(0.02) for n in names})
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), "cpu", torch.float32, "torch")
+    prompts = [[3, 100, 200, 300, 400]]
+    assert_close(run_prompts(loaded.model, prompts), hf_logits(hf.float().eval(), prompts), 1e-4)
+    state["model.layers.0.self_attn.q_scale_unknown"] = torch.tensor(1.0)  # others still fail
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="1 unexpected: model.layers.0.self_attn.q_scale_unkn"):
+        load_model(str(tmp_path), "cpu", torch.float32, "torch")
+
+
 def test_hf_dir_without_safetensors_is_an_error(tmp_path):
     save_hf_dir(make_hf("llama"), tmp_path)
     (tmp_path / "model.safetensors").unlink()

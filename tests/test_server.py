@@ -61,6 +61,8 @@ def test_health_and_info(client):
     assert info["model_device_type"] == "cpu"
     assert info["max_total_tokens"] == MAX_MODEL_LEN
     assert info["max_input_tokens"] == MAX_MODEL_LEN - 1
+    assert info["kv_cache_dtype"] == "float32" and info["kv_cache_tokens"] > 0, info
+    assert info["kv_cache_gib"] > 0
     assert info["version"]
 
 

@@ -8,12 +8,17 @@ with a sliding window reads only the KV of its window's positions, and only thos
 (Gemma 3: five of six layers read at most 1,024 positions; Mistral v0.1: 4,096). The
 peer, Hugging Face transformers (static cache, SDPA) on the same weights, runs after ours
 and is held to the same byte count (its static cache in fact attends over the whole masked
-cache). Weight bytes are those a step reads: all of them but an untied input embedding.
+cache). Weight bytes are those a step reads: all of them but an untied input embedding, fp8
+projections at one byte per weight plus their float32 scales (``weight_bytes_read``). KV
+bytes are those of the cache's dtype (``--kv-cache-dtype``): an fp8 cache's one byte a value
+plus its scales (``kernels.kv_quant``); the peer keeps its bf16 cache but is held to the same
+bytes, so under fp8 its roofline column overstates it (``--no-peer``).
 
 With ``--tensor-parallel-size N`` the bytes and the bandwidth are rank 0's: its share of the
-weights and of the KV (its KV heads), over its own GPU's copy bandwidth, so the roofline is
-one GPU's (the N GPUs read in parallel; the all-reduces are the overhead it does not count).
-The peer does not run then (transformers holds the whole model on one device).
+weights (fp8 ones and their scales' share counted as above) and of the KV (its KV heads, in the
+cache's dtype, scales included), over its own GPU's copy bandwidth, so the roofline is one
+GPU's (the N GPUs read in parallel; the all-reduces are the overhead it does not count). The
+peer does not run then (transformers holds the whole model on one device).
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     device = torch.device(config.device)
     from flashserve.engine.llm_engine import LLMEngine
+    from flashserve.loaders.load import describe_weights
 
     bandwidth = copy_bandwidth(device)  # before the model takes the memory
     engine = cli.load_engine(LLMEngine, config)
@@ -109,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
             "model": engine.model_name,
             "device": str(device),
             "dtype": config.dtype,
+            # their size and dtypes: float8 projections (--quantization fp8, or an fp8
+            # checkpoint), with their scales' layout; rank 0's share under tensor parallelism
+            "weights": describe_weights(engine.runner.model),
+            "kv_cache_dtype": config.kv_cache_dtype,
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
@@ -120,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             # what decides the longest point that fits: the pool's size, and on CUDA the
             # share of memory it came from (--gpu-memory-utilization)
             "kv_pool_tokens": engine.runner.num_blocks * config.block_size,
+            "kv_pool_gib": engine.runner.kv_cache_bytes / 2**30,  # rank 0's, as every rank's
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "steps": args.steps,
             **peer_info,

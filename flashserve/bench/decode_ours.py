@@ -100,7 +100,9 @@ def kv_bytes_read(layer_windows: tuple[int, ...], layer_bytes_per_token: float,
                   num_tokens: int) -> float:  # fmt: skip
     """KV bytes a decode step reads for one sequence of ``num_tokens`` tokens (its new one
     included): each layer reads K and V of the last ``window`` of them, all of them when it
-    has no window (``ModelConfig.layer_windows``)."""
+    has no window (``ModelConfig.layer_windows``). ``layer_bytes_per_token``: one layer's K
+    and V of a token in the cache's dtype, an fp8 cache's scales included
+    (``ModelRunner.kv_bytes_per_token`` over the layers)."""
     positions = sum(min(num_tokens, w) if w > 0 else num_tokens for w in layer_windows)
     return positions * layer_bytes_per_token
 
@@ -125,8 +127,10 @@ def _time_steps(engine: LLMEngine, reqs, steps: int, device: torch.device) -> St
 
 
 def weight_bytes_read(engine: LLMEngine) -> int:
-    """Bytes of weights one decode step reads: every parameter, except an untied input
-    embedding table (a step reads only its batch's rows of it)."""
+    """Bytes of weights one decode step reads: every parameter at its own element size (fp8
+    projections one byte a weight, plus their float32 scales), except an untied input
+    embedding table (a step reads only its batch's rows of it). Under tensor parallelism, rank
+    0's share (its model is that)."""
     model = engine.runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:

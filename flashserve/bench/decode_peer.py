@@ -77,6 +77,8 @@ def hf_model_sharing(ours: nn.Module, mc: ModelConfig, max_len: int):
     """A transformers CausalLM whose parameters are views of ``ours`` (no copy)."""
     import transformers
 
+    if getattr(ours, "fp8", None) is not None:
+        raise PeerUnavailable("fp8 weights: transformers would run its own quantized model")
     p0 = next(ours.parameters())
     config = hf_config(mc, p0.dtype, max_len)
     with torch.device("meta"):
@@ -85,7 +87,7 @@ def hf_model_sharing(ours: nn.Module, mc: ModelConfig, max_len: int):
     for name, _ in list(hf.named_parameters()):
         if name == "lm_head.weight" and mc.tie_word_embeddings:
             continue
-        param, start, size = slots[name]
+        param, start, size = slots[name][:3]
         view = param.data if size is None else param.data.narrow(0, start, size)
         _set_param(hf, name, view)
     if mc.tie_word_embeddings:

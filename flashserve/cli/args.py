@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
-from flashserve.config import ATTENTION_BACKENDS, EngineConfig
+from flashserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 T = TypeVar("T")
 
@@ -58,6 +58,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
+    g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="fp8: quantize the decoder's projections to float8 e4m3 as they load, one scale "
+        "per output channel (half the weight bytes; embeddings and LM head stay in --dtype). "
+        "fp8 checkpoints (compressed-tensors, or 128x128 block scales) load as they are, "
+        "without this option",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+        help="the KV cache's dtype: auto (default: the model's --dtype) or fp8 (e4m3 with a "
+        "scale per token and KV head: about twice the tokens in the same memory, half the KV "
+        "bytes read per decode step)",
+    )
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument(
         "--async-scheduling",

@@ -50,6 +50,8 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self.kv_cache_tokens = self.engine.runner.num_kv_tokens
+        self.kv_cache_bytes = self.engine.runner.kv_cache_bytes
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()

@@ -63,6 +63,8 @@ class CoreInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Tokenizer
+    kv_cache_tokens: int  # the KV pool's size (in config.kv_cache_dtype)
+    kv_cache_bytes: int
 
 
 @dataclass
@@ -94,7 +96,8 @@ def run_core(
             logger.exception("the engine core could not load the model")
         raise SystemExit(1) from None
     info = CoreInfo(engine.config, engine.model_name, engine.max_model_len,
-                    engine.model_config.vocab_size, engine.tokenizer)  # fmt: skip
+                    engine.model_config.vocab_size, engine.tokenizer,
+                    engine.runner.num_kv_tokens, engine.runner.kv_cache_bytes)  # fmt: skip
     core = EngineCore(engine, addresses)
     ready.send(("ready", info))
     ready.close()

@@ -110,6 +110,8 @@ class EngineCoreClient:
         self.tokenizer = info.tokenizer
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
+        self.kv_cache_tokens = info.kv_cache_tokens
+        self.kv_cache_bytes = info.kv_cache_bytes
         self.prompts = PromptChecker(info.tokenizer, info.vocab_size, info.max_model_len)
         self.on_finished: list[Callable[[RequestStats], None]] = []
         self._streams: dict[str, _Open] = {}

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from flashserve.config import EngineConfig
 from flashserve.engine.block_manager import BlockManager
 from flashserve.engine.model_runner import ModelRunner, SampledToken
@@ -69,6 +71,7 @@ class LLMEngine:
                 self.config.attention_backend,
                 self.config.seed,
                 pdl_chain=self.config.pdl_chain,
+                quantization=self.config.quantization,
                 tp=workers.group if workers is not None else SINGLE,
             )
             if workers is not None:
@@ -157,6 +160,26 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
         self.runner.close()
+
+    def prompt_logits(self, token_ids: list[int]) -> Iterator[torch.Tensor]:
+        """Teacher forcing: prefill ``token_ids`` as one sequence through the normal path, in
+        chunks of the step budget (``max_num_batched_tokens``), so that its K/V go into the
+        cache in its dtype (fp8 too) and each chunk attends to the cached ones before it; yield
+        each chunk's logits ``[n, V]`` float32, positions in order (row i predicts token i +
+        1). The engine must be idle; the sequence's blocks go back to the pool at the end."""
+        if self.has_unfinished():
+            raise RuntimeError("prompt_logits needs an idle engine (requests are running)")
+        seq = Sequence(self.prompts.checked_ids(token_ids, SamplingParams(max_new_tokens=1)))
+        self.block_manager.allocate(seq, seq.num_tokens)
+        try:
+            budget = self.config.max_num_batched_tokens
+            while seq.num_computed_tokens < seq.num_tokens:
+                seq.num_scheduled_tokens = min(budget, seq.num_tokens - seq.num_computed_tokens)
+                yield self.runner.every_logits([seq])
+                seq.num_computed_tokens += seq.num_scheduled_tokens
+        finally:
+            seq.num_scheduled_tokens = 0
+            self.block_manager.free(seq)
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -1,21 +1,25 @@
 """Turns a step into device tensors, runs the model and samples.
 
 The runner owns the device state: the model, the paged KV cache (one K and one V pool per
-layer), the sampler and the staging that every host-to-device copy of a step goes through. A
-step is built once on the host (``StepPlan``), sent in one upload, and then run one of two
-ways (``_run``): by replaying a captured CUDA graph (decode-only steps) or eagerly. The
-attention backend builds the step's ``AttentionMetadata``, shared by every layer.
+The runner owns the device state: the model, the paged KV cache (one K and one V pool per
+layer; an fp8 cache adds a K and a V scale pool per layer, ``kernels.kv_quant``), the sampler
+and the staging that every host-to-device copy of a step goes through. A step is built once on
+the host (``StepPlan``), sent in one upload, and then run one of two ways (``_run``): by
+replaying a captured CUDA graph (decode-only steps) or eagerly. The attention backend builds
+the step's ``AttentionMetadata``, shared by every layer.
 
-Tensor parallelism: every rank has a runner over its share of the model (its KV heads' pool,
-of the block count all ranks agree on: the smallest). Rank 0's runner sends each step's plan
-to the other ranks (``peers``) once its own inputs are staged, then runs the same forward;
-the workers' runners ``follow`` those plans and sample nothing. From that send to the end of
-the forward the ranks meet in collectives: a failure there leaves them out of step, so the
-engine is dead (``EngineDeadError``) rather than retrying the step.
+Tensor parallelism: every rank has a runner over its share of the model (its KV heads' pools,
+an fp8 cache's scale pools with them, of the block count all ranks agree on: the smallest).
+Rank 0's runner sends each step's plan to the other ranks (``peers``) once its own inputs are
+staged, then runs the same forward; the workers' runners ``follow`` those plans and sample
+nothing. From that send to the end of the forward the ranks meet in collectives: a failure
+there leaves them out of step, so the engine is dead (``EngineDeadError``) rather than
+retrying the step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -29,6 +33,7 @@ from flashserve.engine.staging import Staging, Upload
 from flashserve.engine.step_plan import StepPlan
 from flashserve.models.attention import AttentionMetadata
 from flashserve.sampling.sampler import Sampler, SamplerOutput
+from kernels.kv_quant import KV_SCALE_DTYPE, kv_bytes_per_token_layer, kv_scale_shape
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +96,12 @@ class ModelRunner:
         mc = model_config
         kv_heads = model.rank_config.num_key_value_heads  # this rank's
         self.kv_shape = (config.block_size, kv_heads, mc.head_dim)
-        self.kv_bytes_per_token = (
-            2 * mc.num_hidden_layers * kv_heads * mc.head_dim
-            * torch.empty((), dtype=config.torch_dtype).element_size()
-        )  # fmt: skip
+        self.kv_dtype = config.torch_kv_dtype
+        # K and V of one token in every layer, this rank's KV heads: the pages, and an fp8
+        # cache's scales
+        self.kv_bytes_per_token = mc.num_hidden_layers * kv_bytes_per_token_layer(
+            kv_heads, mc.head_dim, self.kv_dtype
+        )
         # every rank's pool holds the same number of blocks, the smallest any rank can hold:
         # the one scheduler's block tables are then valid on each
         self.num_blocks = self.tp.min_int(self._plan_num_blocks())
@@ -103,7 +110,8 @@ class ModelRunner:
                                "raise --gpu-memory-utilization")  # fmt: skip
         self.max_model_len = self._resolve_max_model_len()
         model.ensure_positions(self.max_model_len)
-        self.kv_caches = [(self._new_pool(), self._new_pool()) for _ in range(mc.num_hidden_layers)]
+        # per layer (k, v), or for an fp8 cache (k, v, k_scale, v_scale)
+        self.kv_caches = [self._new_layer_cache() for _ in range(mc.num_hidden_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device) if self.tp.rank == 0 else None
         self.backend = model.backend
         self.staging = Staging(self.device)  # eager steps' uploads; graphs spill into it
@@ -115,22 +123,39 @@ class ModelRunner:
                 from flashserve.engine.cuda_graph import DecodeGraphs
 
                 self.graphs = DecodeGraphs(self)
+        rank = f" per rank (its {kv_heads} KV heads)" if self.tp.size > 1 else ""
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max model len %d",
-            self.num_blocks, self.block_size, self.num_kv_tokens,
-            self.num_kv_tokens * self.kv_bytes_per_token / 2**30, self.max_model_len,
+            "KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB%s); max model len %d",
+            config.kv_cache_dtype, self.num_blocks, self.block_size, self.num_kv_tokens,
+            self.kv_cache_bytes / 2**30, rank, self.max_model_len,
         )  # fmt: skip
 
     @property
     def num_kv_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def _new_pool(self) -> torch.Tensor:
-        shape = (self.num_blocks, *self.kv_shape)
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV pools (and an fp8 cache's scale pools), all layers; under tensor
+        parallelism this rank's (its KV heads), as every rank's."""
+        return self.num_kv_tokens * self.kv_bytes_per_token
+
+    def _new_layer_cache(self) -> tuple[torch.Tensor, ...]:
+        """One layer's pools: (k, v), and for an fp8 cache its scales (k, v, k_scale, v_scale)."""
+        pages = (self.num_blocks, *self.kv_shape)
+        pools = (self._new_pool(pages, self.kv_dtype), self._new_pool(pages, self.kv_dtype))
+        if self.config.kv_cache_dtype != "fp8":
+            return pools
+        scales = kv_scale_shape(self.num_blocks, *self.kv_shape[:2])
+        return (*pools, self._new_pool(scales, KV_SCALE_DTYPE),
+                self._new_pool(scales, KV_SCALE_DTYPE))  # fmt: skip
+
+    def _new_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # zeros on CUDA: padded rows of a captured decode batch read block 0 and must see finite
-        # values; on the CPU, empty keeps the untouched pool out of resident memory
+        # values (fp8 zeros with zero scales too); on the CPU, empty keeps the untouched pool
+        # out of resident memory
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        return alloc(shape, dtype=self.config.torch_dtype, device=self.device)
+        return alloc(shape, dtype=dtype, device=self.device)
 
     def _landing_buffers(self) -> list[torch.Tensor]:
         """Two pinned float64 buffers of ``2 * max_num_seqs`` that launched steps copy their
@@ -240,6 +265,19 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return Launched(seqs, picks, landing, done)
+
+    @torch.inference_mode()
+    def every_logits(self, seqs: list[Sequence]) -> torch.Tensor:  # [T, V] float32
+        """Run one scheduled step over ``seqs`` eagerly, through the normal path (the KV of its
+        tokens written to the cache, and read back by the attention), and return the logits of
+        every token it computes, in step order; nothing is sampled (teacher forcing:
+        ``LLMEngine.prompt_logits``)."""
+        plan = StepPlan.build(seqs, self.block_size)
+        plan = dataclasses.replace(plan, sample_rows=list(range(len(plan.input_ids))))
+        upload = self.staging.begin()
+        inputs = self.stage(plan, upload)
+        upload.send()
+        return self._forward_eager(plan, inputs, None)
 
     def _run(self, plan: StepPlan, source: torch.Tensor | None = None
              ) -> torch.Tensor | SamplerOutput | None:  # fmt: skip

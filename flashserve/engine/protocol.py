@@ -50,13 +50,16 @@ class EngineClient(Protocol):
 
     Attributes: ``config`` (the resolved ``EngineConfig``), ``tokenizer`` (the model's, for
     chat templates, truncation and length checks in the caller's process), ``model_name``,
-    ``max_model_len``, and ``on_finished``: callbacks given each request's ``RequestStats`` on
-    the request's event loop when it ends (metrics)."""
+    ``max_model_len``, ``kv_cache_tokens`` and ``kv_cache_bytes`` (the KV pool's size, in the
+    resolved ``config.kv_cache_dtype``), and ``on_finished``: callbacks given each request's
+    ``RequestStats`` on the request's event loop when it ends (metrics)."""
 
     config: EngineConfig
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int
     on_finished: list[Callable[[RequestStats], None]]
 
     def start(self) -> None:

@@ -98,7 +98,8 @@ def _load(config: EngineConfig, group: TPGroup, store: dist.Store):
     from flashserve.loaders.load import load_model
 
     loaded = load_model(config.model, config.device, config.torch_dtype, config.attention_backend,
-                        config.seed, pdl_chain=config.pdl_chain, tp=group)  # fmt: skip
+                        config.seed, pdl_chain=config.pdl_chain,
+                        quantization=config.quantization, tp=group)  # fmt: skip
     store.set(loaded_key(group.rank), "1")
     return ModelRunner(config, loaded.model, loaded.config)
 

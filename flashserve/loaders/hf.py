@@ -14,8 +14,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from flashserve.loaders.errors import WeightsError
+from flashserve.loaders.quantization import fp8_weights
 from flashserve.loaders.safetensors_header import TensorInfo, read_header
 from flashserve.models.config import ModelConfig
+from flashserve.models.linear import Fp8Weights
 from flashserve.models.sharding import Shard
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,6 +37,19 @@ def read_config(path: Path) -> ModelConfig:
     extra = [] if extra is None else extra if isinstance(extra, list) else [extra]
     config.eos_token_ids = list(dict.fromkeys([*config.eos_token_ids, *map(int, extra)]))
     return config
+
+
+def read_fp8_weights(path: Path, quantization: str | None) -> Fp8Weights | None:
+    """The float8 layout of the model (``quantization.fp8_weights``): config.json's
+    ``quantization_config``, or ``quantization`` (``--quantization``) for an unquantized
+    checkpoint. WeightsError naming config.json for a quantization we cannot run."""
+    file = path / "config.json"
+    try:
+        return fp8_weights(_read_json(file), quantization)
+    except WeightsError:
+        raise
+    except ValueError as exc:
+        raise WeightsError(file, str(exc)) from exc
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -69,17 +84,18 @@ def read_index(path: Path) -> dict[str, Path]:
 class Checkpoint:
     """A directory's safetensors files with their headers read and checked (``open``): a
     truncated or corrupt file, a missing shard, a tensor the index places in a shard that
-    lacks it, a parameter that is not float: each a WeightsError before any data is read."""
+    lacks it, a parameter that is not float (nor float8 e4m3 in a quantized checkpoint:
+    ``float8``): each a WeightsError before any data is read."""
 
     path: Path
     headers: dict[Path, dict[str, TensorInfo]]  # file -> its tensors
     current: Path | None = None  # the file ``weights`` is reading (None before and after)
 
     @classmethod
-    def open(cls, path: Path) -> Checkpoint:
+    def open(cls, path: Path, float8: bool = False) -> Checkpoint:
         index = read_index(path) if (path / INDEX_FILE).exists() else {}
         files = sorted(set(index.values())) if index else safetensors_files(path)
-        headers = {file: read_header(file) for file in files}
+        headers = {file: read_header(file, float8) for file in files}
         for name, shard in index.items():
             if name not in headers[shard]:
                 raise WeightsError(shard, f"lacks tensor {name}, which {INDEX_FILE} places in it")

@@ -37,10 +37,11 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def read_header(file: Path) -> dict[str, TensorInfo]:
+def read_header(file: Path, float8: bool = False) -> dict[str, TensorInfo]:
     """The tensors ``file`` holds, by name, from its header, once the header is whole and
     valid, the data holds exactly the bytes it describes, and every parameter (``*.weight``,
-    ``*.bias``) is a float tensor: WeightsError naming the file and the problem otherwise."""
+    ``*.bias``) is a float tensor (``float8``: F8_E4M3 weights too, a quantized checkpoint):
+    WeightsError naming the file and the problem otherwise."""
     size = file.stat().st_size
     with file.open("rb") as f:
         length = f.read(8)
@@ -62,9 +63,11 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         tensors[name] = info
         extents.append((begin, end, name))
     _check_extents(file, extents, size - 8 - n)
+    allowed = (*FLOAT_DTYPES, "F8_E4M3") if float8 else FLOAT_DTYPES
     for name, info in tensors.items():
-        if info.dtype not in FLOAT_DTYPES and name.endswith(PARAMETER_SUFFIXES):
-            raise WeightsError(file, f"tensor {name} is {info.dtype}: {_unsupported(info.dtype)}")
+        if info.dtype not in allowed and name.endswith(PARAMETER_SUFFIXES):
+            raise WeightsError(file, f"tensor {name} is {info.dtype}: "
+                                     f"{_unsupported(info.dtype, float8)}")  # fmt: skip
     return tensors
 
 
@@ -119,11 +122,16 @@ def _check_extents(file: Path, extents: list[tuple[int, int, str]], data: int) -
                                  "none (an appended or overwritten file?)")  # fmt: skip
 
 
-def _unsupported(dtype: str) -> str:
+def _unsupported(dtype: str, float8: bool) -> str:
+    if dtype.startswith("F8") and not float8:
+        return (
+            "float8 weights, but config.json has no quantization_config to say how they are scaled"
+        )
     if dtype.startswith("F8"):
-        kind = "float8 weights (a quantized checkpoint) are"
+        kind = "float8 weights other than e4m3 are"
     elif dtype == "BOOL" or dtype[0] in "IU":
         kind = "integer weights (a quantized checkpoint?) are"
     else:
         kind = "this dtype is"
-    return f"{kind} not supported: weights must be F32, F16 or BF16"
+    also = ", or F8_E4M3 with their scales" if float8 else ""
+    return f"{kind} not supported: weights must be F32, F16 or BF16{also}"

@@ -74,10 +74,13 @@ class AttentionBackend(ABC):
     silu_and_mul: Op  # [T, 2I] -> [T, I]
     gelu_tanh_and_mul: Op  # [T, 2I] -> [T, I]
     # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv, q_norm=None, k_norm=None,
-    #  norm_eps=1e-6, norm_unit_offset=False) -> q [T, Hq, D]
+    #  norm_eps=1e-6, norm_unit_offset=False, *, k_scale=None, v_scale=None) -> q [T, Hq, D]
     rope_write_kv: Op
     decode_attention: Op  # one query token per sequence over its paged KV
     prefill_attention: Op  # causal chunks over their cached context plus themselves
+    # An fp8 KV cache (float8_e4m3fn pools, kernels.kv_quant) comes with its scale pools: the
+    # three ops above take them as k_scale=, v_scale= (quantized where written, dequantized
+    # as read); other caches are called without them.
 
     def __init__(self) -> None:
         for op, fn in self._ops().items():
@@ -224,7 +227,8 @@ def _metadata(*, slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tens
 class PagedAttention:
     """Attention of one layer over its paged KV cache, with the backend chosen at start-up:
     RoPE (with q/k head norms when given) and the KV store, then the decode and prefill
-    kernels with this layer's window and soft-cap."""
+    kernels with this layer's window and soft-cap. The cache is the layer's (k, v) pools, or
+    (k, v, k_scale, v_scale) for an fp8 cache."""
 
     def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int,
                  scale: float, window: int = 0, softcap: float = 0.0, norm_eps: float = 1e-6,
@@ -243,19 +247,20 @@ class PagedAttention:
         qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], the fused projection before RoPE
         positions: torch.Tensor,  # [T] int64
         rope: tuple[torch.Tensor, torch.Tensor],  # this layer's cos, sin tables, [P, R/2] each
-        k_cache: torch.Tensor,  # [N, BS, Hkv, D]
-        v_cache: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, ...],  # k, v [N, BS, Hkv, D] (+ k_scale, v_scale fp8)
         meta: AttentionMetadata,
         q_norm: torch.Tensor | None = None,  # [D]: RMSNorm each query head before RoPE
         k_norm: torch.Tensor | None = None,  # [D]: and each key head (Qwen3, Gemma 3)
     ) -> torch.Tensor:  # [T, Hq, D]
+        k_cache, v_cache, *scales = kv_cache
         norms = {}  # passed only when present: kernels without head norms need not take them
         if q_norm is not None:
             norms = dict(q_norm=q_norm, k_norm=k_norm, norm_eps=self.norm_eps,
                          norm_unit_offset=self.norm_unit_offset)  # fmt: skip
+        fp8 = dict(zip(("k_scale", "v_scale"), scales))  # {} unless the cache is fp8
         q = self.ops.rope_write_kv(
             qkv, positions, *rope, k_cache, v_cache, meta.slot_mapping,
-            self.num_heads, self.num_kv_heads, **norms,
+            self.num_heads, self.num_kv_heads, **norms, **fp8,
         )  # fmt: skip
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
@@ -271,6 +276,7 @@ class PagedAttention:
                 out=out[:nd],
                 window=self.window,
                 softcap=self.softcap,
+                **fp8,
             )
         if meta.num_prefill_tokens:
             self.ops.prefill_attention(
@@ -286,5 +292,6 @@ class PagedAttention:
                 out=out[nd:],
                 window=self.window,
                 softcap=self.softcap,
+                **fp8,
             )
         return out

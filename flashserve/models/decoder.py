@@ -4,6 +4,8 @@ Phi-3/4, SmolLM2), as Hugging Face defines each; their differences are ``ModelCo
 Tokens of a step are flattened to ``[T]``; every layer reads the same ``AttentionMetadata``.
 q/k/v share one Linear and gate/up share another; ``load_weights`` takes Hugging Face tensor
 names and copies each into its slice of the fused weight (Phi-3 checkpoints store them fused).
+Every projection is a ``flashserve.models.linear.Linear``: in the model's dtype, or float8
+e4m3 with scales (``Fp8Weights``); embeddings, norms and the LM head keep the model's dtype.
 
 The residual stream travels beside the sublayers' outputs, as in vLLM: each RMSNorm that
 starts a sublayer adds the previous sublayer's output to the residual first
@@ -31,9 +33,19 @@ from flashserve.models.attention import (
     load_backend,
 )
 from flashserve.models.config import ModelConfig
+from flashserve.models.linear import CHANNEL, Fp8Weights, Linear
 from flashserve.models.rope import RotaryEmbedding
-from flashserve.models.sharding import SINGLE, Shard, TPComm, rank_config, tensor_shard
-from flashserve.models.weights import check_complete, checkpoint_name, weight_slots
+from flashserve.models.sharding import SINGLE, WHOLE, Shard, TPComm, rank_config, tensor_shard
+from flashserve.models.weights import (
+    FUSED_CHECKPOINTS,
+    Slot,
+    check_complete,
+    checkpoint_name,
+    weight_slots,
+)
+from kernels.quant import quantize_blocks, quantize_per_channel
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin tables [P, R/2]
 
@@ -73,12 +85,16 @@ class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache: this layer's window, soft-cap
     and RoPE table, q/k head norms when the config has them."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
+                 fp8: str | None = None):  # fmt: skip
         super().__init__()
-        self.ops = backend
-        sizes = config.q_size + 2 * config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, sizes, config.attention_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, config.attention_out_bias)
+        c = config
+        self.qkv_proj = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.attention_bias,
+                               backend, fp8)  # fmt: skip
+        self.o_proj = Linear(c.q_size, c.hidden_size, c.attention_out_bias, backend, fp8)
+        if c.architecture not in FUSED_CHECKPOINTS:  # q, k, v load apart into qkv_proj
+            self.qkv_proj.check_fusable({"q_proj": c.q_size, "k_proj": c.kv_size,
+                                         "v_proj": c.kv_size})  # fmt: skip
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = _norm(config, backend, config.head_dim)
@@ -100,30 +116,31 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T] int64
         ropes: list[Rope],  # the model's tables; this layer reads ropes[self.rope_table]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
+        kv_cache: tuple[torch.Tensor, ...],  # k, v [N, BS, Hkv, D] (+ k/v scales: fp8)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         rope = ropes[self.rope_table]
-        out = self.attn(qkv, positions, rope, *kv_cache, meta, *norms)  # [T, Hq, D]
-        return self.ops.linear(out.view(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
+        out = self.attn(qkv, positions, rope, kv_cache, meta, *norms)  # [T, Hq, D]
+        return self.o_proj(out.view(x.shape[0], -1))
 
 
 class MLP(nn.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))``, SiLU (SwiGLU) or GELU-tanh (Gemma)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None):
         super().__init__()
-        self.ops = backend
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, False)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(hidden, 2 * inter, False, backend, fp8)
+        self.down_proj = Linear(inter, hidden, False, backend, fp8)
+        if config.architecture not in FUSED_CHECKPOINTS:
+            self.gate_up_proj.check_fusable({"gate_proj": inter, "up_proj": inter})
         act = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}[config.hidden_act]
         self.act_and_mul = getattr(backend, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
-        return self.ops.linear(self.act_and_mul(gate_up), self.down_proj.weight)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -137,17 +154,17 @@ class DecoderLayer(nn.Module):
     layer (or the model's final norm) must apply to it first."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
-                 *, tp: TPComm = SINGLE):  # fmt: skip
+                 fp8: str | None = None, *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
         self.tp = tp  # row-parallel o_proj and down_proj: their outputs summed over ranks
         self.input_layernorm = _norm(config, backend)
-        self.self_attn = Attention(config, backend, layer)
+        self.self_attn = Attention(config, backend, layer, fp8)
         self.post_attention_layernorm = _norm(config, backend)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(config, backend)
             self.post_feedforward_layernorm = _norm(config, backend)
-        self.mlp = MLP(config, backend)
+        self.mlp = MLP(config, backend, fp8)
 
     @property
     def output_norm(self) -> RMSNorm | None:
@@ -161,7 +178,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden]; None in the first layer
         positions: torch.Tensor,  # [T] int64
         ropes: list[Rope],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [N, BS, Hkv, D] each
+        kv_cache: tuple[torch.Tensor, ...],  # k, v [N, BS, Hkv, D] (+ k/v scales: fp8)
         meta: AttentionMetadata,
         post: RMSNorm | None = None,  # the previous layer's ``output_norm``, for x
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
@@ -179,11 +196,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, *, tp: TPComm = SINGLE):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None,
+                 *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, i, tp=tp) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, i, fp8, tp=tp) for i in range(config.num_hidden_layers)
         )
         self.norm = _norm(config, backend)
         self.rotary_emb = RotaryEmbedding(config)  # the global layers'
@@ -196,20 +214,24 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Decoder plus LM head; parameters never require grad.
+    """Decoder plus LM head; parameters never require grad. ``fp8``: the projections hold
+    float8 weights as it says (the embeddings, norms and LM head keep the model's dtype).
 
     With ``tp`` of several ranks the model is this rank's share (``flashserve.models.sharding``):
     ``config`` is the whole model's, ``rank_config`` the shape of the share (its heads, KV
-    heads, MLP width, vocabulary rows), which the layers are built with."""
+    heads, MLP width, vocabulary rows), which the layers are built with; a float8 projection
+    holds its rows or columns of the weight and the scales that go with them."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *,
-                 tp: TPComm = SINGLE):  # fmt: skip
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 fp8: Fp8Weights | None = None, *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
         self.config = config
+        self.fp8 = fp8
         self.tp = tp
         self.rank_config = rank_config(config, tp.size)
         self.backend = attn_backend  # its metadata and graph hooks serve the model runner
-        self.model = DecoderModel(self.rank_config, attn_backend, tp=tp)
+        self.model = DecoderModel(self.rank_config, attn_backend, fp8.scales if fp8 else None,
+                                  tp=tp)  # fmt: skip
         self.lm_head = None  # tied: compute_logits uses the embedding matrix
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, self.rank_config.vocab_size, bias=False)
@@ -220,7 +242,7 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [N, BS, Hkv, D] each
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer: k, v (+ k/v scales: fp8)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         ropes = [(r.cos, r.sin) for r in self.model.rotary_embeddings()]
@@ -273,7 +295,10 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into our (fused) parameters, converting dtype and
-        device on the way. Raises ValueError naming missing, unexpected or misshapen tensors."""
+        device on the way (a projection's float weights are quantized when the model holds
+        fp8 ones: ``Linear.load``). Raises ValueError naming missing, unexpected or misshapen
+        tensors. A tensor-parallel rank takes each tensor as ``tensor_shard`` cuts it."""
+        scale_name = self.fp8.checkpoint_scale if self.fp8 else None
         slots = self._weight_slots()
         loaded, unexpected = set(), []
         for name, tensor in weights:
@@ -283,40 +308,62 @@ class DecoderForCausalLM(nn.Module):
             if name not in slots:
                 unexpected.append(name)
                 continue
-            param, start, size = slots[name]
-            dst = param.data if size is None else param.data.narrow(0, start, size)
-            if dst.shape != tensor.shape:
-                raise ValueError(
-                    f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)
+            param, start, size, linear, kind = slots[name]
+            if linear is not None:
+                if linear.load(kind, tensor, start, size, name) and scale_name:
+                    loaded.add(name.removesuffix("weight") + scale_name)  # quantized here
+            else:
+                if tensor.dtype in _FLOAT8:
+                    raise ValueError(f"tensor {name} is {tensor.dtype}: only the decoder's "
+                                     "projections take float8 weights (embeddings, norms and "
+                                     "the LM head stay unquantized)")  # fmt: skip
+                dst = param.data if size is None else param.data.narrow(0, start, size)
+                if dst.shape != tensor.shape:
+                    raise ValueError(
+                        f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, "
+                        f"model expects {tuple(dst.shape)}"
+                    )
+                dst.copy_(tensor)
             loaded.add(name)
         check_complete(sorted(set(slots) - loaded), unexpected)
 
-    def _weight_slots(self) -> dict[str, tuple[nn.Parameter, int, int | None]]:
-        """Hugging Face name -> (our parameter, first row, rows or None for all of it)."""
-        return weight_slots(self, self.rank_config)
+    def _weight_slots(self) -> dict[str, Slot]:
+        """Hugging Face name -> ``Slot`` (our parameter, its rows, its projection), in this
+        rank's shapes."""
+        scale_name = self.fp8.checkpoint_scale if self.fp8 else None
+        return weight_slots(self, self.rank_config, scale_name)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
 
     def tensor_shard(self, name: str, shape: tuple[int, ...] | None = None) -> Shard:
         """This rank's part of the checkpoint tensor (or parameter) ``name``
         (``sharding.tensor_shard``); the loaders read only that part."""
         name = checkpoint_name(name, self.config)
         if name is None:  # a tensor the model skips (a vision tower's): read as it is
-            return Shard()
+            return WHOLE
         return tensor_shard(name, self.config, self.tp.rank, self.tp.size, shape)
 
 
 def build_model(
-    config: ModelConfig, attn_backend: AttentionBackend, device: str, dtype: torch.dtype,
-    *, tp: TPComm = SINGLE,
-) -> DecoderForCausalLM:  # fmt: skip
+    config: ModelConfig,
+    attn_backend: AttentionBackend,
+    device: str,
+    dtype: torch.dtype,
+    fp8: Fp8Weights | None = None,
+    *,
+    tp: TPComm = SINGLE,
+) -> DecoderForCausalLM:
     """A model with uninitialised weights allocated once, directly on ``device`` in ``dtype``
-    (the RoPE tables are computed); fill it with ``load_weights`` or ``init_random``. With
-    ``tp`` of several ranks: this rank's share only."""
+    (the projections' weights in float8 e4m3 and their scales in float32 with ``fp8``; the
+    RoPE tables are computed); fill it with ``load_weights`` or ``init_random``. With ``tp``
+    of several ranks: this rank's share only."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, attn_backend, tp=tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        model = DecoderForCausalLM(config, attn_backend, fp8, tp=tp)
+        model = model.to(dtype=dtype)
+        for linear in model.linears():
+            linear.set_fp8_dtypes()
+    model = model.to_empty(device=device)
     for rotary in model.model.rotary_embeddings():
         rotary.build()
     return model
@@ -325,17 +372,33 @@ def build_model(
 @torch.no_grad()
 def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
     """Dummy weights: norms the identity (1, or 0 for Gemma's ``1 + w``), biases 0,
-    everything else N(0, std), from ``seed``. A rank's share draws each whole tensor and
-    keeps its part: the same weights whatever the tensor-parallel size."""
+    everything else N(0, std), from ``seed``. A float8 projection draws its weight in the
+    embeddings' dtype (the same numbers as the unquantized model's) and quantizes it. A
+    rank's share draws each whole tensor, quantizes it whole where float8, and keeps its part
+    (and its scales' part): the same weights whatever the tensor-parallel size."""
     device = next(model.parameters()).device
+    dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     identity = 0.0 if model.config.norm_unit_offset else 1.0
     whole = _whole_shapes(model) if model.tp.size > 1 else {}
+    fp8 = {id(m.weight): m for m in model.linears() if m.fp8 is not None}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(identity)
         elif name.endswith(".bias"):
             p.zero_()
+        elif name.endswith(".weight_scale"):
+            continue  # set with its weight
+        elif id(p) in fp8:
+            shape = whole.get(name, tuple(p.shape))
+            w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            linear = fp8[id(p)]
+            quantize = quantize_per_channel if linear.fp8 == CHANNEL else quantize_blocks
+            q, scale = quantize(w.float())
+            del w
+            scale_shard = model.tensor_shard(f"{name}_scale", tuple(scale.shape))
+            p.copy_(model.tensor_shard(name).take(q))
+            linear.weight_scale.copy_(scale_shard.take(scale))
         elif name in whole:
             w = torch.empty(whole[name], dtype=p.dtype, device=device)
             p.copy_(model.tensor_shard(name).take(w.normal_(0.0, std, generator=gen)))
@@ -346,7 +409,8 @@ def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None
 
 
 def _whole_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape in the whole (unsharded) model."""
+    """Each parameter's shape in the whole (unsharded) model (its projections' weights: float8
+    ones have the same shapes; their scales are not drawn)."""
     with torch.device("meta"):
         whole = DecoderForCausalLM(model.config, model.backend)
     return {name: tuple(p.shape) for name, p in whole.named_parameters()}

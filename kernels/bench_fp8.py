@@ -1,0 +1,155 @@
+"""FP8 weight GEMV benchmark: ``python -m kernels.bench_fp8 [--sweep] [--json FILE]``.
+
+Llama-3-8B linear shapes (N, K) at M in {1, 8}: ``kernels.gemv.linear_small_m`` on the bf16
+weight, on its float8 e4m3 copy with per-channel scales and with 128x128 block scales (the
+heuristic's tile each, ``gemv_config``), with ``bench_gemv``'s method: each config checked
+against float64 math on the weight it reads, then timed under CUDA-graph replay, one graph of
+>= 20 calls rotating over weight copies of >= 256 MB (5x the 50 MB L2), median of 10 replays.
+GB/s counts the bytes one call reads and writes (weight, scales, x, out); the device-to-device
+copy bandwidth (read + write) measured in the same run is the 100% line. ``--sweep`` times the
+fp8 layouts over more tiles too (tuning: the best and the heuristic's pick per point).
+With ``TRITON_INTERPRET=1`` it runs on the CPU at toy sizes (a smoke test of the script only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+
+from kernels.bench import SMOKE, copy_bandwidth, graph_time
+from kernels.bench_gemv import DEV, DT, SHAPES, rel_err
+from kernels.gemv import _num_sms, gemv_config, linear_small_m, split_k_for
+from kernels.quant import dequantize, quantize_blocks, quantize_per_channel
+
+MS = (1, 8)
+CALLS = 20
+ROTATE_BYTES = 256 << 20
+MAX_ERR = 2e-2  # bf16 output against the float64 product with the same (dequantized) weight
+LAYOUTS = {"bf16": None, "fp8-channel": quantize_per_channel, "fp8-block": quantize_blocks}
+W_SCALE = {"bf16": 0, "fp8-channel": 1, "fp8-block": 2}
+# --sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages) for fp8 weights, each at the heuristic
+# split; block scales need BLOCK_N <= 128 (all here)
+_SWEEP_M1 = [(8, 2048, 8, 3), (16, 1024, 8, 3), (8, 2048, 4, 3), (4, 2048, 4, 3), (16, 2048, 8, 3),
+             (8, 4096, 8, 2), (8, 1024, 4, 4), (32, 1024, 8, 3), (16, 1024, 4, 4)]  # fmt: skip
+_SWEEP_DOT = [(64, 256, 4, 4), (32, 512, 4, 4), (64, 512, 4, 3), (32, 256, 4, 5), (64, 128, 4, 6),
+              (128, 256, 8, 3), (32, 1024, 4, 3), (16, 512, 4, 4), (64, 256, 8, 4)]  # fmt: skip
+
+
+def weights(layout: str, n: int, k: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
+    """``copies`` (weight, scale or None) pairs of one layout; quantized one copy at a time."""
+    out = []
+    for _ in range(copies):
+        w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
+        out.append((w, None) if LAYOUTS[layout] is None else LAYOUTS[layout](w))
+    return out
+
+
+def nbytes(m: int, n: int, k: int, w: torch.Tensor, s: torch.Tensor | None) -> int:
+    scale = 0 if s is None else s.numel() * s.element_size()
+    return w.numel() * w.element_size() + scale + (m * k + m * n) * DT.itemsize
+
+
+def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[tuple]:
+    pick = gemv_config(m, n, k, sms, W_SCALE[layout])
+    if not sweep or layout == "bf16":
+        return [pick]
+    tiles = _SWEEP_M1 if m == 1 else _SWEEP_DOT
+    more = [(bn, bk, split_k_for(n, k, bn, bk, sms), w, st) for bn, bk, w, st in tiles]
+    return [pick] + [c for c in dict.fromkeys(more) if c != pick and c[1] <= k]
+
+
+def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: float,
+                sweep: bool) -> list[dict]:  # fmt: skip
+    one = nbytes(1, n, k, *weights(layout, n, k, 1)[0])
+    copies = 1 if SMOKE else max(2, math.ceil(ROTATE_BYTES / one))
+    ws = weights(layout, n, k, copies)
+    rows = []
+    for m in MS:
+        xs = torch.randn(copies, m, k, device=DEV, dtype=DT)
+        outs = torch.empty(copies, m, n, device=DEV, dtype=DT)
+        w0, s0 = ws[0]
+        wd = w0.double() if s0 is None else dequantize(w0, s0, torch.float64)
+        ref = xs[0].double() @ wd.T
+        size = nbytes(m, n, k, w0, s0)
+        sets = [(xs[i], w, outs[i], scale) for i, (w, scale) in enumerate(ws)]
+        results = []
+        for cfg in configs(layout, m, n, k, sms, sweep):
+            o = torch.full((m, n), math.nan, device=DEV, dtype=DT)
+            err = rel_err(linear_small_m(xs[0], w0, out=o, weight_scale=s0, config=cfg), ref)
+            if not err <= MAX_ERR:
+                print(f"  {layout} {name} M={m} {cfg}: rel err {err:.2e}: WRONG", flush=True)
+                continue
+            calls = [lambda s=s, c=cfg: linear_small_m(s[0], s[1], out=s[2], weight_scale=s[3],
+                                                       config=c) for s in sets]  # fmt: skip
+            results.append((graph_time(calls, min_calls=CALLS), cfg, err))
+        pick = gemv_config(m, n, k, sms, W_SCALE[layout])
+        pick_us = next((t for t, c, _ in results if c == pick), math.nan)
+        results.sort()
+        us, cfg, err = results[0]
+        row = {"layout": layout, "shape": name, "N": n, "K": k, "M": m, "bytes": size,
+               "pick_us": pick_us, "best_us": us, "best_cfg": list(cfg), "rel_err": err,
+               "best_gbs": size / us / 1e3, "best_pct_copy": 100 * size / us / 1e3 / copy_gbs,
+               "all": [[list(c), round(t, 2)] for t, c, _ in results]}  # fmt: skip
+        print("  " + json.dumps({k_: v for k_, v in row.items() if k_ != "all"}), flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], copy_gbs: float) -> None:
+    print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s; us = the heuristic's tile (best of the sweep, "
+          "its GB/s and % of copy)")  # fmt: skip
+    by = {(r["shape"], r["M"], r["layout"]): r for r in rows}
+    print(f"{'shape':8} {'M':>2} | " + " | ".join(f"{lay:>30}" for lay in LAYOUTS)
+          + " | fp8-ch/bf16 fp8-blk/bf16")  # fmt: skip
+    for shape, m in dict.fromkeys((r["shape"], r["M"]) for r in rows):
+        cells, t = [], {}
+        for lay in LAYOUTS:
+            r = by.get((shape, m, lay))
+            if r is None:
+                cells.append(f"{'-':>30}")
+                continue
+            t[lay] = r["pick_us"]
+            cells.append(f"{r['pick_us']:7.1f} ({r['best_us']:6.1f} {r['best_gbs']:5.0f} "
+                         f"{r['best_pct_copy']:5.1f}%)")  # fmt: skip
+        ratio = [t.get(x, math.nan) / t.get("bf16", math.nan) for x in ("fp8-channel", "fp8-block")]
+        print(f"{shape:8} {m:2} | " + " | ".join(cells) + f" | {ratio[0]:11.2f} {ratio[1]:12.2f}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--sweep", action="store_true", help="time more fp8 tiles (tuning)")
+    ap.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "lm_head"),
+                    help="comma-separated shape names (kernels.bench_gemv.SHAPES)")  # fmt: skip
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="bf16,fp8-channel,fp8-block")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    sms = _num_sms(torch.device(DEV))
+    import triton
+
+    meta = {"device": "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name(),
+            "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version()}  # fmt: skip
+    print(json.dumps(meta), flush=True)
+    copy_gbs = copy_bandwidth()
+    print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        for layout in args.layouts.split(","):
+            rows += bench_point(layout, name, n, k, sms, copy_gbs, args.sweep)
+            torch.cuda.empty_cache() if not SMOKE else None
+    print_table(rows, copy_gbs)
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

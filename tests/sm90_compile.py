@@ -1,0 +1,115 @@
+"""Compile the attention kernels for sm_90 without a GPU (Triton's own ptxas), and summarize
+what came out: ``python tests/sm90_compile.py`` prints one JSON object per kernel variant.
+
+The interpreter runs a kernel's Python, not its compilation: a GPU-only error (a non-constexpr
+global read in a jit function, a conversion the backend lacks) or a lost optimization (loads
+that are not pipelined) shows only here or on the GPU. Run in a process of its own, without
+``TRITON_INTERPRET``: the kernels must be ``JITFunction`` objects. Each summary gives the shared
+memory, the number of ``cp.async`` copies in the PTX, and the loads of the main loop that
+stayed synchronous (``tt.load`` in the TTGIR's ``scf.for`` body)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import decode, prefill, rope  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+# runtime ints that a launch does not specialize as multiples of 16 (the rest are pointers and
+# strides of contiguous pools, which it does)
+UNALIGNED = {"window", "num_splits", "min_split", "stride_btb", "eps"}
+
+
+def _compile(jit, pointers: dict, consts: dict, **options):
+    sig, attrs = {}, {}
+    for i, name in enumerate(jit.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name in ("qk_scale", "cap_in", "cap_out", "eps") else "i32"
+            if name not in UNALIGNED and sig[name] == "i32":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(jit, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=options)
+
+
+def _caches(fp8: bool, dt: str) -> dict:
+    kv = "*fp8e4nv" if fp8 else f"*{dt}"
+    return {"K": kv, "V": kv, "KS": "*bf16" if fp8 else kv, "VS": "*bf16" if fp8 else kv}
+
+
+def decode_kernel(fp8: bool, dt: str = "bf16", d: int = 128, tiles=(64, 4, 4), **flags):
+    ptrs = {"Q": f"*{dt}", **_caches(fp8, dt), "SeqLens": "*i32", "BlockTables": "*i32",
+            "PartOut": "*fp32", "PartLse": "*fp32", "Out": f"*{dt}", "Lse": "*fp32",
+            "Counters": "*i32"}  # fmt: skip
+    consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, DIRECT=False, STORE_LSE=False, PDL_WAIT=True,
+                  CHAIN=True, WINDOWED=False, SOFTCAP=False, FP8=fp8, BLOCK_G=16,
+                  BLOCK_N=tiles[0], BLOCK_D=d, MERGE_H=4, MERGE_S=8,
+                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32")  # fmt: skip
+    consts.update(flags)
+    return _compile(decode._decode_split_kernel, ptrs, consts, num_warps=tiles[1],
+                    num_stages=tiles[2])  # fmt: skip
+
+
+def prefill_kernel(fp8: bool, dt: str = "bf16", d: int = 128, cfg=(128, 128, 8, 2), **flags):
+    ptrs = {"Q": f"*{dt}", **_caches(fp8, dt), "CuSeqlensQ": "*i32", "SeqLens": "*i32",
+            "BlockTables": "*i32", "Out": f"*{dt}", "Lse": "*fp32"}  # fmt: skip
+    consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, STORE_LSE=True, WINDOWED=False, SOFTCAP=False,
+                  FP8=fp8, BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_D=d,
+                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32")  # fmt: skip
+    consts.update(flags)
+    return _compile(prefill._prefill_kernel, ptrs, consts, num_warps=cfg[2], num_stages=cfg[3])
+
+
+def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
+    cache = "*fp8e4nv" if fp8 else f"*{dt}"
+    ptrs = {"QKV": f"*{dt}", "Pos": "*i64", "Cos": f"*{dt}", "Sin": f"*{dt}", "QNorm": f"*{dt}",
+            "KNorm": f"*{dt}", "QOut": f"*{dt}", "KCache": cache, "VCache": cache,
+            "KScale": "*bf16" if fp8 else cache, "VScale": "*bf16" if fp8 else cache,
+            "Slots": "*i64"}  # fmt: skip
+    consts = dict(HQ=32, HKV=8, D=d, HALF=d // 2, PAGE=16, HAS_QNORM=False, HAS_KNORM=False,
+                  UNIT_OFFSET=False, QUANT=fp8, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=d // 2,
+                  BLOCK_PASS=0, BLOCK_D=d, PDL=True, CHAIN=True)  # fmt: skip
+    return _compile(rope._rope_write_kv_kernel, ptrs, consts, num_warps=4, enable_fp_fusion=False)
+
+
+def summary(kernel) -> dict:
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    loop = ttgir[ttgir.find("scf.for") :]
+    loop = loop[: loop.find("scf.yield")] if "scf.for" in ttgir else ""
+    return {
+        "shared": kernel.metadata.shared,
+        "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
+        "loop_loads": re.findall(r"tt\.load [^:]*: (tensor<[^>]*>)", loop),
+    }
+
+
+VARIANTS = {
+    "decode-bf16": lambda: decode_kernel(False),
+    "decode-fp8": lambda: decode_kernel(True),
+    "decode-fp8-d256-window-softcap": lambda: decode_kernel(True, d=256, tiles=(64, 4, 3),
+                                                           WINDOWED=True, SOFTCAP=True),
+    "decode-fp8-fp32": lambda: decode_kernel(True, dt="fp32"),
+    "prefill-fp8": lambda: prefill_kernel(True),
+    "prefill-fp8-d256-window-softcap": lambda: prefill_kernel(True, d=256, cfg=(128, 64, 8, 2),
+                                                             WINDOWED=True, SOFTCAP=True),
+    "rope-fp8": lambda: rope_kernel(True),
+}  # fmt: skip
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or VARIANTS:
+        print(json.dumps({"variant": name, **summary(VARIANTS[name]())}), flush=True)

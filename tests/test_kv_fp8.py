@@ -1,0 +1,378 @@
+"""The fp8 KV cache's kernels (kernels.kv_quant): quantization where K/V are written, and the
+decode and prefill kernels reading e4m3 pages with their per-(token, KV head) scales.
+
+The attention kernels are checked against the float64 reference applied to the *dequantized*
+cache (``q * scale``, exact in float64), so what is tested is the kernel, not the quantization
+error: their tolerances are those of the same kernels over an fp16/fp32 cache. The quantizers
+(Triton's in ``rope_write_kv``, torch's in ``reference.write_kv``) must agree byte for byte,
+and the round trip must stay within e4m3's bound. Interpreter sizes; bf16 and long contexts are
+in tests/test_kv_fp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
+
+from tensor_checks import assert_close  # noqa: E402
+
+from kernels import reference  # noqa: E402
+from kernels.decode import decode_attention  # noqa: E402
+from kernels.kv_quant import (  # noqa: E402
+    FP8_KV_DTYPE,
+    FP8_MAX,
+    KV_SCALE_DTYPE,
+    dequantize_fp8,
+    kv_scale_shape,
+    quantize_fp8,
+)
+from kernels.prefill import prefill_attention  # noqa: E402
+from kernels.rope import rope_write_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the fp16/fp32 cache tolerances of tests/test_kernels.py: the dequantized cache is exact
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3}
+LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+E4M3_REL = 2.0**-4  # e4m3 keeps 3 mantissa bits: rounding moves a normal value by <= 2^-4 of it
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bits, for exact comparisons that NaN poison and -0 do not confuse."""
+    return t.view(torch.uint8 if t.element_size() == 1 else torch.int16)
+
+
+class Fp8Paged:
+    """A random fp8 paged cache holding ``lens[b]`` tokens per sequence in shuffled blocks,
+    quantized from random values whose magnitude varies per (token, head) by a factor of
+    ``e^+-spread`` (the scales matter), times ``gain``; ``kd``/``vd`` are its dequantized
+    float64 pools, what the reference reads."""
+
+    def __init__(self, lens, hkv, d, page, spare_blocks=3, spread=4.6, gain=1.0):
+        self.lens, self.page = list(lens), page
+        need = [-(-n // page) for n in self.lens]
+        total = sum(need) + spare_blocks
+        pools = []
+        for _ in range(2):
+            x = torch.randn(total, page, hkv, d, device=DEVICE) * gain
+            mag = torch.empty(total, page, hkv, 1, device=DEVICE).uniform_(-spread, spread)
+            q, s = quantize_fp8(x * mag.exp())  # [N, BS, Hkv, D], [N, BS, Hkv]
+            pools.append((q, s.transpose(1, 2).contiguous()))
+        (self.k, self.k_scale), (self.v, self.v_scale) = pools
+        self.kd = dequantize_fp8(self.k, self.k_scale.transpose(1, 2), torch.float64)
+        self.vd = dequantize_fp8(self.v, self.v_scale.transpose(1, 2), torch.float64)
+        ids = torch.randperm(total)
+        self.block_tables = torch.zeros(len(lens), max(max(need), 1) + 1, dtype=torch.int32)
+        pos = 0
+        for b, n in enumerate(need):
+            self.block_tables[b, :n] = ids[pos : pos + n].int()
+            pos += n
+        self.block_tables = self.block_tables.to(DEVICE)
+        self.seq_lens = torch.tensor(self.lens, dtype=torch.int32, device=DEVICE)
+
+    @property
+    def scales(self) -> dict:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+
+# ---------------------------------------------------------------- quantization
+
+
+def test_quantize_round_trip_is_within_the_e4m3_bound():
+    """Per row: scale = bf16(amax / 448), |q| <= 448 with the amax at or next to 448, and each
+    element back within 2^-4 of itself (normal e4m3 range) or half of the subnormal step
+    2^-9 * scale; an all-zero row gives zeros."""
+    x = torch.randn(64, 4, 96) * torch.exp(torch.empty(64, 4, 1).uniform_(-9, 9))
+    x[3, 1] = 0.0
+    x[5, 2, :7] = torch.tensor([1e4, -1e-6, 0.0, -0.0, 3e-3, 448.0, -5.0])
+    q, scale = quantize_fp8(x)
+    assert q.dtype == FP8_KV_DTYPE and scale.dtype == KV_SCALE_DTYPE and scale.shape == (64, 4)
+    amax = x.abs().amax(-1)
+    torch.testing.assert_close(scale, (amax.clamp_min(2.0**-64) / FP8_MAX).to(KV_SCALE_DTYPE))
+    qf = q.float()
+    assert qf.abs().max() <= FP8_MAX and not torch.isnan(qf).any()
+    top = qf.abs().amax(-1)[amax > 0]
+    assert (top == FP8_MAX).all(), "each row's amax lands on 448 (within a bf16 scale's 2^-9)"
+    y = x / scale.float()[..., None]  # the value q rounds
+    err = (qf - y.clamp(-FP8_MAX, FP8_MAX)).abs()
+    normal = y.abs() >= 2.0**-6
+    assert (err[normal] <= E4M3_REL * y.abs()[normal]).all()
+    assert (err[~normal] <= 2.0**-10).all()
+    back = dequantize_fp8(q, scale)
+    assert (back[3, 1] == 0).all()
+    rel = ((back - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30))[amax > 0]
+    assert rel.max() <= E4M3_REL, f"worst row {rel.max():.3e}"
+
+
+def test_reference_write_kv_quantizes_at_the_slots_and_skips_padding():
+    n, bs, hkv, d = 5, 8, 2, 16
+    k_cache = torch.full((n, bs, hkv, d), float("nan")).to(FP8_KV_DTYPE)
+    v_cache = k_cache.clone()
+    k_scale = torch.full(kv_scale_shape(n, bs, hkv), float("nan"), dtype=KV_SCALE_DTYPE)
+    v_scale = k_scale.clone()
+    before = [_bytes(t).clone() for t in (k_cache, v_cache, k_scale, v_scale)]
+    k, v = torch.randn(3, hkv, d) * 5, torch.randn(3, hkv, d)
+    slots = torch.tensor([9, -1, 37])
+    reference.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        q, s = quantize_fp8(x[[0, 2]])
+        for row, slot in enumerate((9, 37)):
+            blk, off = divmod(slot, bs)
+            assert torch.equal(_bytes(cache[blk, off]), _bytes(q[row]))
+            assert torch.equal(_bytes(scales[blk, :, off]), _bytes(s[row]))
+    written = torch.zeros(n * bs, dtype=torch.bool)
+    written[[9, 37]] = True
+    for t, old in zip((k_cache, v_cache), before[:2]):
+        flat, flat_old = _bytes(t).view(n * bs, -1), old.view(n * bs, -1)
+        assert torch.equal(flat[~written], flat_old[~written]), "an untouched slot changed"
+    for t, old in zip((k_scale, v_scale), before[2:]):
+        flat, flat_old = _bytes(t).transpose(1, 2).reshape(n * bs, hkv), old.transpose(1, 2)
+        assert torch.equal(flat[~written], flat_old.reshape(n * bs, hkv)[~written])
+
+
+ROPE_CASES = [  # (dtype, hq, hkv, d, rotated dims, head norms)
+    (torch.float16, 4, 2, 64, 64, False),
+    (torch.float32, 6, 2, 128, 128, False),
+    (torch.float16, 3, 1, 96, 96, True),  # a head dim that is not a power of two, Qwen3's norms
+    (torch.float32, 4, 4, 64, 32, False),  # partial rotary: dims 32..63 pass through
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,rot,norms", ROPE_CASES)
+def test_rope_write_kv_fp8_bytes_equal_the_reference(dtype, hq, hkv, d, rot, norms):
+    """The kernel's fp8 bytes and bf16 scales are exactly ``quantize_fp8`` of the K/V it
+    stores in an fp16/fp32 cache (both divide by the stored scale, correctly rounded, and round
+    to nearest even), and without head norms exactly the reference's (with them the normed
+    keys may differ from torch's by an ulp: tests/test_layer_kernels.py); untouched slots keep
+    their NaN poison; the rotated queries do not depend on the cache's dtype."""
+    t, n, bs = 9, 6, 16
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE) * 4).to(dtype)
+    qkv[0, hq * d : (hq + 1) * d] = 0  # a zero key head: the amax floor
+    qkv[1, (hq + hkv) * d] = 3e4 if dtype == torch.float16 else 1e6  # an outlier value
+    pos = torch.randint(0, 200, (t,), device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, device=DEVICE) / rot))
+    ang = torch.arange(256, device=DEVICE)[:, None] * inv[None]
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    slots = torch.randperm(n * bs, device=DEVICE)[:t]
+    slots[4] = -1  # a CUDA-graph padding token: stored nowhere
+    kw = {}
+    if norms:
+        w = lambda: (1 + 0.1 * torch.randn(d, device=DEVICE)).to(dtype)  # noqa: E731
+        kw = {"q_norm": w(), "k_norm": w()}
+
+    def pools():
+        cache = torch.full((n, bs, hkv, d), float("nan"), device=DEVICE).to(FP8_KV_DTYPE)
+        scale = torch.full(kv_scale_shape(n, bs, hkv), float("nan"), device=DEVICE)
+        return cache, cache.clone(), scale.to(KV_SCALE_DTYPE), scale.to(KV_SCALE_DTYPE)
+
+    mine, ref = pools(), pools()
+    q = rope_write_kv(qkv, pos, cos, sin, mine[0], mine[1], slots, hq, hkv, **kw,
+                      k_scale=mine[2], v_scale=mine[3])  # fmt: skip
+    q_ref = reference.rope_write_kv(qkv, pos, cos, sin, ref[0], ref[1], slots, hq, hkv, **kw,
+                                    k_scale=ref[2], v_scale=ref[3])  # fmt: skip
+    plain = [torch.empty(n, bs, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2)]
+    q_plain = rope_write_kv(qkv, pos, cos, sin, *plain, slots, hq, hkv, **kw)
+    assert torch.equal(q, q_plain)
+    kept = slots[slots >= 0]
+    blk, off = kept // bs, kept % bs
+    for name, cache, scales, x in (("k", mine[0], mine[2], plain[0]),
+                                   ("v", mine[1], mine[3], plain[1])):  # fmt: skip
+        want_q, want_s = quantize_fp8(x[blk, off])  # [T', Hkv, D], [T', Hkv]
+        diff = (_bytes(cache[blk, off]) != _bytes(want_q)).nonzero()
+        assert diff.numel() == 0, f"{name}: {len(diff)} bytes differ, first at {diff[0].tolist()}"
+        assert torch.equal(_bytes(scales[blk, :, off]), _bytes(want_s)), f"{name} scales"
+    if not norms:
+        assert torch.equal(q, q_ref)
+        for name, a, b in zip(("k", "v", "k_scale", "v_scale"), mine, ref):
+            assert torch.equal(_bytes(a), _bytes(b)), f"{name} differs from the reference's"
+    poisoned = torch.ones(n * bs, dtype=torch.bool, device=DEVICE)
+    poisoned[slots[slots >= 0]] = False
+    assert torch.isnan(mine[0].float().view(n * bs, -1)[poisoned]).all()
+    assert torch.isnan(mine[3].float().transpose(1, 2).reshape(n * bs, hkv)[poisoned]).all()
+    assert not torch.isnan(mine[0].float().view(n * bs, -1)[~poisoned]).any()
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _decode(q, kv: Fp8Paged, scale, **kw):
+    out = torch.full_like(q, float("nan"))
+    return decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, scale,
+                            max_seq_len=max(kv.lens), out=out, return_lse=True, **kv.scales,
+                            **kw)  # fmt: skip
+
+
+def _decode_ref(q, kv: Fp8Paged, scale, **kw):
+    return reference.decode_attention(q.double(), kv.kd, kv.vd, kv.seq_lens, kv.block_tables,
+                                      scale, return_lse=True, **kw)  # fmt: skip
+
+
+DECODE_CASES = [  # (dtype, hq, hkv, d, lens, page, call options)
+    (torch.float16, 4, 4, 64, [1, 17, 1000, 130], 16, {}),
+    (torch.float32, 6, 2, 64, [17, 1, 300], 64, {}),
+    (torch.float16, 8, 2, 128, [1000, 1, 63], 16, {"num_splits": 1}),
+    (torch.float16, 8, 2, 128, [1000, 1, 63], 64, {"num_splits": 7}),
+    (torch.float32, 4, 1, 64, [129, 1, 700], 16, {"split_size": 128}),
+    (torch.float16, 6, 2, 96, [77, 300], 16, {"window": 50}),
+    (torch.float16, 4, 2, 64, [1, 500, 90], 64, {"window": 128, "softcap": 5.0}),
+    (torch.float32, 4, 2, 64, [33, 400], 16, {"softcap": 2.0}),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,lens,page,kw", DECODE_CASES)
+def test_decode_fp8_matches_the_reference_on_the_dequantized_cache(dtype, hq, hkv, d, lens,
+                                                                   page, kw):  # fmt: skip
+    kv = Fp8Paged(lens, hkv, d, page)
+    q = torch.randn(len(lens), hq, d, device=DEVICE).to(dtype)
+    out, lse = _decode(q, kv, d**-0.5, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k in ("window", "softcap")}
+    ref_out, ref_lse = _decode_ref(q, kv, d**-0.5, **ref_kw)
+    assert_close(out, ref_out, TOL[dtype], f"fp8 decode out {kw}")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"fp8 decode lse {kw}")
+
+
+def test_decode_fp8_split_equals_unsplit():
+    kv = Fp8Paged([1000, 17, 1, 256], 2, 64, 16)
+    q = torch.randn(4, 8, 64, device=DEVICE, dtype=torch.float16)
+    one, lse1 = _decode(q, kv, 0.125, num_splits=1)
+    for kw in ({"num_splits": 7}, {"num_splits": 40}):
+        many, lse_many = _decode(q, kv, 0.125, **kw)
+        assert_close(many, one, 2e-3, f"split {kw} vs unsplit")
+        assert_close(lse_many, lse1, 1e-4, f"split {kw} vs unsplit lse")
+
+
+def _prefill(q, kv: Fp8Paged, cu, scale, **kw):
+    out = torch.full_like(q, float("nan"))
+    qlens = (cu[1:] - cu[:-1]).tolist()
+    return prefill_attention(q, kv.k, kv.v, cu, kv.seq_lens, kv.block_tables, scale,
+                             max_query_len=max(qlens), out=out, return_lse=True, **kv.scales,
+                             **kw)  # fmt: skip
+
+
+def _cu(qlens):
+    return torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                        device=DEVICE)  # fmt: skip
+
+
+PREFILL_CASES = [  # (dtype, hq, hkv, d, query lens, cached context, page, call options)
+    (torch.float16, 4, 2, 64, [1, 17, 70], [0, 30, 9], 16, {}),
+    (torch.float32, 4, 1, 64, [40, 3], [100, 0], 64, {}),
+    (torch.float16, 6, 2, 96, [33, 64], [50, 0], 16, {"window": 20}),
+    (torch.float16, 4, 2, 64, [50, 1], [70, 31], 64, {"softcap": 5.0, "window": 40}),
+    (torch.float32, 2, 2, 64, [65], [0], 16, {"softcap": 3.0}),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,qlens,ctx,page,kw", PREFILL_CASES)
+def test_prefill_fp8_matches_the_reference_on_the_dequantized_cache(dtype, hq, hkv, d, qlens,
+                                                                    ctx, page, kw):  # fmt: skip
+    """Chunks over cached context (chunked prefill, prefix reuse) read fp8 pages too."""
+    kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
+    cu = _cu(qlens)
+    out, lse = _prefill(q, kv, cu, d**-0.5, **kw)
+    ref_out, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                                   kv.block_tables, d**-0.5, return_lse=True,
+                                                   **kw)  # fmt: skip
+    assert_close(out, ref_out, TOL[dtype], f"fp8 prefill out {kw}")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"fp8 prefill lse {kw}")
+
+
+def test_head_dim_256_fp8_decode_and_prefill():
+    kv = Fp8Paged([40, 300], 1, 256, 16)
+    q = torch.randn(2, 2, 256, device=DEVICE, dtype=torch.float16)
+    out, _ = _decode(q, kv, 256**-0.5, window=64)
+    ref, _ = _decode_ref(q, kv, 256**-0.5, window=64)
+    assert_close(out, ref, TOL[torch.float16], "fp8 decode d=256")
+    qp = torch.randn(45, 2, 256, device=DEVICE, dtype=torch.float16)
+    cu = _cu([5, 40])
+    out, _ = _prefill(qp, kv, cu, 256**-0.5, softcap=10.0)
+    ref, _ = reference.prefill_attention(qp.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                         kv.block_tables, 256**-0.5, return_lse=True,
+                                         softcap=10.0)  # fmt: skip
+    assert_close(out, ref, TOL[torch.float16], "fp8 prefill d=256")
+
+
+def test_small_values_keep_their_precision_in_fp16():
+    """V whose values are ~1e-4 (scales ~7e-7): p * v_scale alone would be an fp16 subnormal
+    (below 6.1e-5); the kernels' power-of-two shift (V_SCALE_SHIFT) keeps fp16's tolerance."""
+    kv = Fp8Paged([600, 5], 2, 64, 16, spread=0.0, gain=1e-4)
+    q = torch.randn(2, 4, 64, device=DEVICE, dtype=torch.float16)
+    out, _ = _decode(q, kv, 0.125)
+    ref, _ = _decode_ref(q, kv, 0.125)
+    assert_close(out, ref, TOL[torch.float16], "fp8 decode, small V")
+    cu = _cu([20, 5])
+    qp = torch.randn(25, 4, 64, device=DEVICE, dtype=torch.float16)
+    out, _ = _prefill(qp, kv, cu, 0.125)
+    ref, _ = reference.prefill_attention(qp.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                         kv.block_tables, 0.125, return_lse=True)  # fmt: skip
+    assert_close(out, ref, TOL[torch.float16], "fp8 prefill, small V")
+
+
+def test_reference_attention_reads_fp8_as_its_dequantized_cache():
+    """The torch backend's path: the reference given fp8 pools and scales computes what it
+    computes on the dequantized pools (float64 queries: float64 dequantization)."""
+    kv = Fp8Paged([1, 40, 77], 2, 32, 16)
+    q = torch.randn(3, 4, 32, device=DEVICE, dtype=torch.float64)
+    got = reference.decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.2,
+                                     return_lse=True, window=30, **kv.scales)  # fmt: skip
+    want = reference.decode_attention(q, kv.kd, kv.vd, kv.seq_lens, kv.block_tables, 0.2,
+                                      return_lse=True, window=30)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    q32 = q.float()
+    out = reference.prefill_attention(q32, kv.k, kv.v, _cu([1, 1, 1]), kv.seq_lens,
+                                      kv.block_tables, 0.2, window=30, **kv.scales)  # fmt: skip
+    assert_close(out, want[0], 1e-5, "reference fp8 through SDPA (float32)")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"k_scale": None}, "needs k_scale and v_scale"),
+        ({"v_scale": "float32"}, r"v_scale must be a contiguous torch.bfloat16"),
+        ({"k_scale": "transposed"}, r"k_scale must be a contiguous"),
+        ({"k_cache": "fp16"}, "are for fp8 caches"),
+    ],
+)
+def test_fp8_inputs_are_checked(change, message):
+    kv = Fp8Paged([20], 2, 32, 16)
+    args = {"k_cache": kv.k, "v_cache": kv.v, **kv.scales}
+    for name, how in change.items():
+        if how is None:
+            args[name] = None
+        elif how == "float32":
+            args[name] = args[name].float()
+        elif how == "transposed":
+            args[name] = args[name].transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            args["k_cache"], args["v_cache"] = kv.k.half(), kv.v.half()
+    q = torch.randn(1, 4, 32, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match=message):
+        decode_attention(q, seq_lens=kv.seq_lens, block_tables=kv.block_tables, scale=0.2,
+                         **args)  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        prefill_attention(q, cu_seqlens_q=_cu([1]), seq_lens=kv.seq_lens,
+                          block_tables=kv.block_tables, scale=0.2, **args)  # fmt: skip
+
+
+def test_fp8_decode_plan_takes_its_own_tiles_only_when_tuned():
+    """Over an fp8 cache the split plan is bf16's (the same tiles and splits) unless
+    ``DecodeTuning.fp8_tiles`` says otherwise; head dims over 128 keep their wide tiles."""
+    from kernels.decode import DecodeTuning, plan_splits
+
+    for batch, ctx in ((1, 4096), (1, 131072), (8, 16384)):
+        assert plan_splits(batch, 8, 128, 1, ctx, 132, fp8=True) == plan_splits(
+            batch, 8, 128, 2, ctx, 132
+        )
+    tuned = DecodeTuning(fp8_tiles=(128, 4, 3))
+    assert plan_splits(1, 8, 128, 1, 4096, 132, tuned, fp8=True).tiles == (128, 4, 3)
+    assert plan_splits(1, 8, 128, 2, 4096, 132, tuned).tiles != (128, 4, 3)
+    assert plan_splits(1, 8, 256, 1, 4096, 132, tuned, fp8=True).tiles == tuned.wide_tiles
+    with pytest.raises(ValueError, match="fp8_tiles"):
+        DecodeTuning(fp8_tiles=(100, 4, 3))
