@@ -163,7 +163,7 @@ def test_safetensors_ranks_read_their_slices(tmp_path):
     checkpoint = Checkpoint.open(tmp_path)
     for rank in range(4):
 
-        def shard(name: str, shape: tuple[int, ...], rank=rank) -> Shard:
+        def shard(name: str, shape: tuple[int, ...], dtype=None, rank=rank) -> Shard:
             return tensor_shard(name, RULES, rank, 4, shape)
 
         for name, got in checkpoint.weights(shard):

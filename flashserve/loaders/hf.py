@@ -26,7 +26,8 @@ _TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
-ShardOf = Callable[[str, tuple[int, ...]], Shard]  # a tensor's name and shape -> a rank's part
+# a tensor's name, shape and dtype -> the part of it a rank reads
+ShardOf = Callable[[str, tuple[int, ...], torch.dtype], Shard]
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -111,11 +112,11 @@ class Checkpoint:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
                     for name in f.keys():
                         info = infos[name]
-                        part = None if shard is None else shard(name, info.shape)
+                        dtype = _TORCH_DTYPES.get(info.dtype, torch.float32)
+                        part = None if shard is None else shard(name, info.shape, dtype)
                         if part is None or (part.dim is None and not part.zeros):
                             yield name, f.get_tensor(name)
                             continue
-                        dtype = _TORCH_DTYPES.get(info.dtype, torch.float32)
                         yield name, part.read(f.get_slice(name).__getitem__, info.shape, dtype)
             except SafetensorError as exc:  # changed since ``open`` read it?
                 raise WeightsError(file, f"unreadable: {exc}") from exc

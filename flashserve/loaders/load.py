@@ -11,7 +11,8 @@ the model is ever made.
 A tensor-parallel rank (``tp``) allocates only its share and reads only its part of each
 tensor (``flashserve.models.sharding``): slices of the safetensors files, float8 weights with
 their scales' matching rows or blocks; GGUF tensors are dequantized whole, one at a time, then
-cut.
+cut. A float weight of a row-parallel projection quantized per channel is read whole and cut
+once quantized (its scales are its whole rows': ``DecoderForCausalLM.tensor_shard``).
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
     model = _build(config, backend, device, dtype, fp8, path, tp)
     weights = gguf_source.iter_weights(reader, config)
     if tp.size > 1:
-        weights = ((name, model.tensor_shard(name, tuple(w.shape)).take(w)) for name, w in weights)
+        weights = ((name, model.tensor_shard(name, tuple(w.shape), w.dtype).take(w))
+                   for name, w in weights)  # fmt: skip
     try:
         model.load_weights(weights)
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors

@@ -297,7 +297,8 @@ class DecoderForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into our (fused) parameters, converting dtype and
         device on the way (a projection's float weights are quantized when the model holds
         fp8 ones: ``Linear.load``). Raises ValueError naming missing, unexpected or misshapen
-        tensors. A tensor-parallel rank takes each tensor as ``tensor_shard`` cuts it."""
+        tensors. A tensor-parallel rank takes each tensor as ``tensor_shard`` cuts it: its
+        part, or whole where it says so (``_quantized_whole``), cut here once quantized."""
         scale_name = self.fp8.checkpoint_scale if self.fp8 else None
         slots = self._weight_slots()
         loaded, unexpected = set(), []
@@ -310,7 +311,10 @@ class DecoderForCausalLM(nn.Module):
                 continue
             param, start, size, linear, kind = slots[name]
             if linear is not None:
-                if linear.load(kind, tensor, start, size, name) and scale_name:
+                columns = None
+                if kind == "weight" and self._quantized_whole(name, tensor.dtype):
+                    columns = self._rank_shard(name).take
+                if linear.load(kind, tensor, start, size, name, columns) and scale_name:
                     loaded.add(name.removesuffix("weight") + scale_name)  # quantized here
             else:
                 if tensor.dtype in _FLOAT8:
@@ -336,13 +340,36 @@ class DecoderForCausalLM(nn.Module):
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
-    def tensor_shard(self, name: str, shape: tuple[int, ...] | None = None) -> Shard:
-        """This rank's part of the checkpoint tensor (or parameter) ``name``
-        (``sharding.tensor_shard``); the loaders read only that part."""
+    def tensor_shard(self, name: str, shape: tuple[int, ...] | None = None,
+                     dtype: torch.dtype | None = None) -> Shard:  # fmt: skip
+        """What this rank reads of the checkpoint tensor (or parameter) ``name`` of ``shape``
+        and ``dtype``: its part (``sharding.tensor_shard``), or all of it where the rank
+        quantizes it whole (``_quantized_whole``: ``load_weights`` cuts it then). The loaders
+        read only that."""
         name = checkpoint_name(name, self.config)
         if name is None:  # a tensor the model skips (a vision tower's): read as it is
             return WHOLE
+        if dtype is not None and self._quantized_whole(name, dtype):
+            return WHOLE
+        return self._rank_shard(name, shape)
+
+    def _rank_shard(self, name: str, shape: tuple[int, ...] | None = None) -> Shard:
         return tensor_shard(name, self.config, self.tp.rank, self.tp.size, shape)
+
+    def _quantized_whole(self, name: str, dtype: torch.dtype) -> bool:
+        """A float weight of a row-parallel projection (o_proj, down_proj) that this rank
+        quantizes per channel: its scales are amaxes of whole rows, which its columns alone
+        do not give, so it is read whole, quantized, then cut (its scales replicated, as an
+        fp8 checkpoint's per-channel scales of a row-parallel weight are). Column-parallel
+        rows and 128-column blocks quantize alike alone or whole: those are read cut."""
+        return (
+            self.tp.size > 1
+            and self.fp8 is not None
+            and self.fp8.scales == CHANNEL
+            and dtype not in _FLOAT8
+            and name.endswith(".weight")
+            and self._rank_shard(name).dim == 1
+        )
 
 
 def build_model(
