@@ -31,8 +31,8 @@ from flashserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from flashserve.engine.step_pipeline import EngineDeadError, StepPipeline, StepResult
 from flashserve.engine.stop_strings import StopMatcher
 from flashserve.engine.tp_workers import TPWorkers
-from flashserve.loaders.load import load_model, read_model_config
-from flashserve.models.sharding import SINGLE, check_shardable
+from flashserve.loaders.load import check_tensor_parallel, load_model
+from flashserve.models.sharding import SINGLE
 from flashserve.sampling.params import SamplingParams
 from flashserve.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -61,7 +61,8 @@ class LLMEngine:
         self.config = config or EngineConfig()
         workers = None
         if self.config.tensor_parallel_size > 1:  # a model that cannot split fails first
-            check_shardable(read_model_config(self.config.model), self.config.tensor_parallel_size)
+            check_tensor_parallel(self.config.model, self.config.tensor_parallel_size,
+                                  self.config.quantization)  # fmt: skip
             workers = TPWorkers.start(self.config)
         try:
             loaded = load_model(

@@ -33,9 +33,9 @@ from flashserve.models import DecoderForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
 from flashserve.models.decoder import build_model, init_random
-from flashserve.models.linear import CHANNEL, QUANTIZE_AT_LOAD, Fp8Weights
+from flashserve.models.linear import BLOCK, CHANNEL, QUANTIZE_AT_LOAD, Fp8Weights
 from flashserve.models.presets import preset_config
-from flashserve.models.sharding import SINGLE, TPComm
+from flashserve.models.sharding import SINGLE, TPComm, check_block_scales, check_shardable
 from flashserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,7 @@ def load_model(
 
 
 def read_model_config(spec: str | None) -> ModelConfig:
-    """The config of the model ``spec`` names, without its weights or tokenizer (what the
-    engine checks before it starts tensor-parallel workers)."""
+    """The config of the model ``spec`` names, without its weights or tokenizer."""
     if spec is not None and spec.startswith("dummy:"):
         return preset_config(spec.removeprefix("dummy:"))
     path = default_model_path() if spec is None else pathlib.Path(spec).expanduser()
@@ -103,6 +102,30 @@ def read_model_config(spec: str | None) -> ModelConfig:
     raise FileNotFoundError(
         f"model {spec!r} is not a Hugging Face directory, an existing .gguf file, or dummy:<preset>"
     )
+
+
+def check_tensor_parallel(spec: str | None, size: int, quantization: str | None = None) -> None:
+    """What the engine checks before it starts tensor-parallel workers: ValueError, in one
+    line, unless the model ``spec`` names splits over ``size`` ranks (its heads and MLP width:
+    ``check_shardable``; an fp8 checkpoint's 128x128 block scales: ``_check_fp8_split``, a
+    WeightsError naming its config.json). Reads configs only."""
+    config = read_model_config(spec)
+    check_shardable(config, size)
+    path = None if spec is None or spec.startswith("dummy:") else pathlib.Path(spec).expanduser()
+    if path is not None and path.is_dir():
+        _check_fp8_split(config, hf_source.read_fp8_weights(path, quantization), size,
+                         path / "config.json")  # fmt: skip
+
+
+def _check_fp8_split(config: ModelConfig, fp8: Fp8Weights | None, size: int,
+                     file: pathlib.Path) -> None:  # fmt: skip
+    """WeightsError naming ``file`` when 128x128 block scales cannot split over ``size``."""
+    if fp8 is None or fp8.scales != BLOCK or size == 1:
+        return
+    try:
+        check_block_scales(config, size)
+    except ValueError as exc:
+        raise WeightsError(file, str(exc)) from exc
 
 
 def describe_weights(model: DecoderForCausalLM) -> str:
@@ -159,6 +182,7 @@ def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
     # every file's header checked, no data read; float8 tensors only where config.json says
     float8 = fp8 is not None and fp8.checkpoint_scale is not None
     checkpoint = hf_source.Checkpoint.open(path, float8)
+    _check_fp8_split(config, fp8, tp.size, path / "config.json")
     model = _build(config, backend, device, dtype, fp8, path / "config.json", tp)
     try:
         model.load_weights(checkpoint.weights(model.tensor_shard if tp.size > 1 else None))

@@ -21,7 +21,10 @@ Float8 weight scales (``<linear>.weight_scale`` or ``weight_scale_inv``) follow 
 (``tensor_shard``): one scale per output row (``[N]`` or ``[N, 1]``) is cut with a
 column-parallel weight's rows and replicated for a row-parallel one; a 128x128 block scale
 ``[ceil(N/128), ceil(K/128)]`` is cut along the weight's split dimension in whole blocks
-(the ranks' ranges must start on multiples of 128); a tensor-wise scale is replicated.
+(the ranks' ranges must start on multiples of 128: ``check_block_scales`` refuses a size
+that breaks that, before any worker starts); a tensor-wise scale is replicated. A float weight
+quantized at load (``--quantization fp8``, dummy weights) gets the scales of the whole tensor's
+rows or blocks on every rank: a per-channel row-parallel one is quantized whole, then cut.
 
 The rules key on checkpoint names (Hugging Face's, after ``checkpoint_name``) and on our own
 parameter names (the fused projections, as dummy weights are drawn): the same function
@@ -187,6 +190,26 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         problems.append(f"its MLP width {c.intermediate_size}")
     if problems:
         raise ValueError(f"tensor-parallel size {size} does not divide {' nor '.join(problems)}")
+
+
+def check_block_scales(config: ModelConfig, size: int) -> None:
+    """ValueError, in one line, unless 128x128 float8 block scales split over ``size`` ranks
+    in whole blocks: each rank's q rows, k/v rows and gate/up rows (the row-parallel layers'
+    columns are the same ranges) must be multiples of 128, so that every rank's range of a
+    weight starts on a block and each part of its fused projections (q/k/v into qkv_proj,
+    gate/up into gate_up_proj) fills whole blocks, as one rank's do (``Linear.check_fusable``)."""
+    if size == 1:
+        return
+    check_shardable(config, size)
+    r = RankShape(config, 0, size)
+    d = config.head_dim
+    parts = {"q_proj": r.heads * d, "k_proj/v_proj": r.kv_heads * d,
+             "gate_proj/up_proj": config.intermediate_size // size}  # fmt: skip
+    bad = [f"{name} {rows}" for name, rows in parts.items() if rows % SCALE_BLOCK]
+    if bad:
+        raise ValueError(f"tensor-parallel size {size} would split 128x128 block-scaled fp8 "
+                         f"weights inside their blocks: each rank's rows ({', '.join(bad)}) "
+                         f"must be multiples of {SCALE_BLOCK}")  # fmt: skip
 
 
 def rank_config(config: ModelConfig, size: int) -> ModelConfig:
