@@ -273,11 +273,12 @@ class ModelRunner:
         every token it computes, in step order; nothing is sampled (teacher forcing:
         ``LLMEngine.prompt_logits``)."""
         plan = StepPlan.build(seqs, self.block_size)
-        plan = dataclasses.replace(plan, sample_rows=list(range(len(plan.input_ids))))
+        plan = dataclasses.replace(plan, sample_rows=list(range(len(plan.input_ids))),
+                                   eager=True)  # the other ranks' forwards too  # fmt: skip
         upload = self.staging.begin()
         inputs = self.stage(plan, upload)
         upload.send()
-        return self._forward_eager(plan, inputs, None)
+        return self._forward(plan, None, None, inputs, None)[0]
 
     def _run(self, plan: StepPlan, source: torch.Tensor | None = None
              ) -> torch.Tensor | SamplerOutput | None:  # fmt: skip
@@ -286,7 +287,9 @@ class ModelRunner:
         picks [2, >= N] float64 when every row is plain greedy under a graph, else the
         sampler's output over the N sampled rows (None: no row samples). ``source``: the input
         ids are indices into it (a look-ahead step)."""
-        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(plan) else None
+        graphs = self.graphs
+        if graphs is None or plan.eager or not graphs.can_run(plan):
+            graphs = None
         greedy_in_graph = graphs is not None and Sampler.plain_greedy(plan.sampling)
         upload = (graphs.staging if graphs is not None else self.staging).begin()
         inputs = bucket = None

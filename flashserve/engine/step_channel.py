@@ -42,6 +42,7 @@ class WireStep(msgspec.Struct, array_like=True, gc=False):
     num_decodes: int
     sample_rows: list[int]
     ahead: bool
+    eager: bool = False
     stop: bool = False
 
 
@@ -77,7 +78,7 @@ class StepSender:
     def send(self, plan: StepPlan) -> None:
         msg = WireStep(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens,
                        plan.q_lens, plan.block_tables, plan.num_decodes, plan.sample_rows,
-                       plan.ahead)  # fmt: skip
+                       plan.ahead, plan.eager)  # fmt: skip
         self.sock.send(self._encode(msg), copy=False)
 
     def stop(self) -> None:
@@ -107,7 +108,7 @@ class StepReceiver:
             return None
         return StepPlan(msg.input_ids, msg.positions, msg.slot_mapping, msg.seq_lens,
                         msg.q_lens, msg.block_tables, msg.num_decodes, msg.sample_rows,
-                        sampling=[], ahead=msg.ahead)  # fmt: skip
+                        sampling=[], ahead=msg.ahead, eager=msg.eager)  # fmt: skip
 
     def close(self) -> None:
         self.sock.close(linger=0)
