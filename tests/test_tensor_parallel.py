@@ -8,10 +8,16 @@ torch backend, float32) against the same model whole.
 - every architecture (tiny checkpoints written by transformers, as tests/test_model_archs.py
   writes them; a GGUF file; dummy weights): the prompt's logits and 16 greedy decode steps'
   logits within 1e-5 of one rank's (only the order of the all-reduce's sums differs), and the
-  same greedy tokens. Rank 1 is one helper process for the whole module (tests/tp_harness.py).
+  same greedy tokens. Rank 1 is one helper process for the whole module (tests/tp_harness.py);
+- float8 weights (fp8 checkpoints per tensor, per channel and in 128x128 blocks, as
+  tests/test_fp8_loading.py writes them; ``--quantization fp8`` of a float checkpoint and of
+  dummy weights): each rank holds exactly its share of the one-rank model's float8 weights and
+  scales, and the two ranks match one as above.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -19,14 +25,17 @@ import transformers
 from gguf_writer import write_gguf
 from model_utils import describe_diff, rel_err
 from safetensors.torch import save_file
+from test_fp8_loading import CFG as FP8_CFG
+from test_fp8_loading import write_pair
 from test_model_archs import CASES, SHAPE, VOCAB, save_checkpoint
-from tp_harness import RankPair, check_runner_collectives, greedy_logits
+from tp_harness import RankPair, check_fp8_share, check_runner_collectives, greedy_logits
 
 from flashserve.loaders.hf import Checkpoint
 from flashserve.models.config import ModelConfig
 from flashserve.models.sharding import (
     SINGLE,
     Shard,
+    check_block_scales,
     check_shardable,
     rank_config,
     tensor_shard,
@@ -131,6 +140,24 @@ def test_float8_scales_follow_their_weights():
         _parts(up, torch.randn(4, 2), 8, big)
 
 
+def test_block_scales_split_only_in_whole_blocks():
+    """Heads of 128, MLP 512: two ranks hold 2 query heads, 1 KV head, 256 MLP rows each; four
+    hold 1 query head and the KV head it reads (replicated), 128 rows. Heads of 64: a rank's
+    one KV head is 64 rows, which would share a block with its neighbour's."""
+    config = ModelConfig(architecture="llama", vocab_size=10, hidden_size=320,
+                         intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=128)  # fmt: skip
+    check_block_scales(config, 2)
+    check_block_scales(config, 4)
+    small = dataclasses.replace(config, head_dim=64)
+    with pytest.raises(ValueError) as err:
+        check_block_scales(small, 2)
+    assert str(err.value) == (
+        "tensor-parallel size 2 would split 128x128 block-scaled fp8 weights inside their "
+        "blocks: each rank's rows (k_proj/v_proj 64) must be multiples of 128"
+    )
+
+
 @pytest.mark.parametrize(
     "heads, kv, inter, size, message",
     [
@@ -188,9 +215,10 @@ def test_ranks_agree_on_the_kv_pool_and_take_rank_0_s_tokens(pair):
     assert pair.run(check_runner_collectives, [512, 4096], [1])
 
 
-def _check_pair(pair: RankPair, spec: str, prompt: list[int], max_model_len=None) -> None:
-    one = greedy_logits(SINGLE, spec, prompt, STEPS, max_model_len)
-    two = pair.run(greedy_logits, spec, prompt, STEPS, max_model_len)
+def _check_pair(pair: RankPair, spec: str, prompt: list[int], max_model_len=None,
+                quantization=None) -> None:  # fmt: skip
+    one = greedy_logits(SINGLE, spec, prompt, STEPS, max_model_len, quantization)
+    two = pair.run(greedy_logits, spec, prompt, STEPS, max_model_len, quantization)
     assert rel_err(two[0][-1], one[0][-1]) < TOL, describe_diff(two[0][-1], one[0][-1])
     assert rel_err(two[0], one[0]) < TOL, f"prompt logits: {describe_diff(two[0], one[0])}"
     assert rel_err(two[1], one[1]) < TOL, f"decode logits: {describe_diff(two[1], one[1])}"
@@ -237,3 +265,37 @@ def test_dummy_weights_are_the_same_whatever_the_ranks(pair):
     """Each rank draws every whole tensor and keeps its part: dummy:tiny split over two ranks
     is the one-rank model (bench decode compares like with like)."""
     _check_pair(pair, "dummy:tiny", torch.randint(3, 500, (20,)).tolist())
+
+
+# ---- float8 weights ---------------------------------------------------------------------------
+
+# test_fp8_loading's Llama (hidden 320: partial blocks along K) with heads of 128 and an MLP of
+# 512: a rank's q (2 heads), k/v (1 KV head) and gate/up rows (256 each) are whole 128-blocks
+FP8_TP_CFG = {**FP8_CFG, "head_dim": 128, "intermediate_size": 512}
+
+
+@pytest.mark.parametrize("fmt", ["ct-tensor-static", "ct-channel", "fp8-block"])
+def test_two_ranks_match_one_from_an_fp8_checkpoint(pair, tmp_path, fmt):
+    """Each rank reads its slices of the float8 weights and of their scales (one per tensor:
+    whole; per channel: a column-parallel weight's rows, whole for a row-parallel one; blocks:
+    its whole blocks)."""
+    fp8_dir, _ = write_pair(tmp_path, fmt, FP8_TP_CFG)
+    assert pair.run(check_fp8_share, str(fp8_dir), None)
+    _check_pair(pair, str(fp8_dir), torch.randint(3, 512, (20,)).tolist())
+
+
+def test_two_ranks_match_one_quantized_at_load(pair, tmp_path):
+    """``--quantization fp8`` of a float checkpoint: column-parallel rows quantize alike alone
+    or whole; o_proj and down_proj are read whole, quantized, then cut, so that their
+    per-channel scales are the whole rows' on both ranks."""
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SHAPE))
+    save_checkpoint(hf, tmp_path, "5.x")
+    assert pair.run(check_fp8_share, str(tmp_path), "fp8")
+    _check_pair(pair, str(tmp_path), torch.randint(3, VOCAB - 3, (20,)).tolist(),
+                quantization="fp8")  # fmt: skip
+
+
+def test_dummy_fp8_weights_are_the_same_whatever_the_ranks(pair):
+    """Each rank draws every whole tensor, quantizes it whole, and keeps its part."""
+    assert pair.run(check_fp8_share, "dummy:tiny", "fp8")
+    _check_pair(pair, "dummy:tiny", torch.randint(3, 500, (20,)).tolist(), quantization="fp8")

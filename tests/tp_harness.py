@@ -94,12 +94,14 @@ BLOCK = 4  # KV block size: sequences cross many blocks
 
 @torch.no_grad()
 def greedy_logits(
-    tp: TPComm, spec: str, prompt: list[int], steps: int, max_model_len: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """Rank ``tp.rank``'s share of model ``spec`` (float32, torch backend): the logits of the
-    prompt's tokens ``[L, V]`` (one prefill), those of each greedy decode step ``[steps, V]``
-    (the first: the prompt's last), and the greedy tokens."""
-    model = load_model(spec, "cpu", torch.float32, "torch", tp=tp).model
+    tp: TPComm, spec: str, prompt: list[int], steps: int, max_model_len: int | None = None,
+    quantization: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list]:  # fmt: skip
+    """Rank ``tp.rank``'s share of model ``spec`` (float32, torch backend; ``quantization``
+    as ``load_model`` takes it): the logits of the prompt's tokens ``[L, V]`` (one prefill),
+    those of each greedy decode step ``[steps, V]`` (the first: the prompt's last), and the
+    greedy tokens."""
+    model = load_model(spec, "cpu", torch.float32, "torch", quantization=quantization, tp=tp).model
     if max_model_len:
         model.ensure_positions(max_model_len)
     gen = torch.Generator().manual_seed(1)
@@ -121,4 +123,22 @@ def check_runner_collectives(tp: TPComm, blocks: list[int], tokens: list[int]) -
     assert tp.min_int(blocks[tp.rank]) == min(blocks)
     ids = torch.tensor(tokens if tp.rank == 0 else [-1] * len(tokens), dtype=torch.int64)
     assert tp.broadcast_(ids).tolist() == tokens
+    return True
+
+
+def check_fp8_share(tp: TPComm, spec: str, quantization: str | None) -> bool:
+    """On every rank: its share of model ``spec`` holds exactly its part (``tensor_shard``)
+    of each parameter of the one-rank model, float8 weights and their scales bit for bit."""
+    whole = dict(load_model(spec, "cpu", torch.float32, "torch", quantization=quantization)
+                 .model.named_parameters())  # fmt: skip
+    share = load_model(spec, "cpu", torch.float32, "torch", quantization=quantization, tp=tp)
+    fp8 = 0
+    for name, p in share.model.named_parameters():
+        w = whole[name]
+        want = share.model.tensor_shard(name, tuple(w.shape)).take(w)
+        assert p.dtype == w.dtype and p.shape == want.shape, (name, p.shape, want.shape)
+        if p.dtype == torch.float8_e4m3fn:
+            p, want, fp8 = p.view(torch.uint8), want.view(torch.uint8), fp8 + 1
+        assert torch.equal(p, want), name
+    assert fp8 == 4 * share.config.num_hidden_layers  # qkv, o, gate_up, down
     return True
