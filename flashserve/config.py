@@ -58,6 +58,9 @@ class EngineConfig:
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt
     enable_prefix_caching: bool = True
+    # ranks the model is split over (Megatron-style tensor parallelism, one process and one
+    # GPU each: cuda:0..N-1, or from cuda:K on; on a CPU every rank shares it, over gloo)
+    tensor_parallel_size: int = 1
     # fp8: the decoder's projections in float8 e4m3 with per-channel scales, quantized as the
     # weights load (an fp8 checkpoint is detected from its config.json without it); None:
     # the checkpoint's own (unquantized unless it is an fp8 checkpoint)
@@ -86,7 +89,8 @@ class EngineConfig:
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":
             raise ValueError("pdl_chain needs the triton attention backend")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
@@ -100,6 +104,19 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")  # fmt: skip
+        if self.tensor_parallel_size > 1 and self.is_cuda:
+            self._check_gpus()
+
+    def _check_gpus(self) -> None:
+        """Enough GPUs on this host for one per rank (under torchrun, each host has its
+        own ranks: torchrun checked them)."""
+        from flashserve.engine.parallel import missing_gpus, torchrun_env
+
+        if torchrun_env() is not None:
+            return
+        why = missing_gpus(self.device, self.tensor_parallel_size, torch.cuda.device_count())
+        if why:
+            raise ValueError(why)
 
     def _resolve_kv_cache_dtype(self) -> None:
         """``kv_cache_dtype``: auto becomes the model's dtype; aliases (bf16, fp16, ...) their

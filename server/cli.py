@@ -152,6 +152,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = cli.engine_config_from_args(args)
+    cli.serve_if_torchrun_worker(config)  # ranks > 0 under torchrun: no HTTP, rank 0's steps
     settings = settings_from_args(args)
     logger.info(
         "loading %s on %s (%s)", config.model or "the default model", config.device, config.dtype

@@ -173,7 +173,10 @@ class Info(BaseModel):
     max_total_tokens: int
     router: str = "flashserve"
     prefix_caching: bool  # not TGI's: whether computed prompt prefixes are kept and reused
-    # not TGI's: the KV cache's dtype (fp8: e4m3 with per-token scales) and its pool's size
+    tensor_parallel_size: int = 1  # not TGI's: the ranks (GPUs) the model is split over
+    # not TGI's: the KV cache's dtype (fp8: e4m3 with per-token scales) and its pool's size;
+    # under tensor parallelism every rank holds the same tokens (its KV heads of them) and
+    # the GiB are one rank's
     kv_cache_dtype: str
     kv_cache_tokens: int
     kv_cache_gib: float

@@ -45,6 +45,7 @@ async def info(request: Request) -> Info:
         max_input_tokens=llm.max_model_len - 1,
         max_total_tokens=llm.max_model_len,
         prefix_caching=llm.config.enable_prefix_caching,
+        tensor_parallel_size=llm.config.tensor_parallel_size,
         kv_cache_dtype=llm.config.kv_cache_dtype,
         kv_cache_tokens=llm.kv_cache_tokens,
         kv_cache_gib=round(llm.kv_cache_bytes / 2**30, 3),

@@ -30,8 +30,9 @@ def describe_diff(ours: torch.Tensor, ref: torch.Tensor) -> str:
 
 
 def make_kv_caches(model, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, ...]]:
-    """One zeroed (k_cache, v_cache) pair per layer, ``[N, BS, Hkv, D]`` each."""
-    c = model.config
+    """One zeroed (k_cache, v_cache) pair per layer, ``[N, BS, Hkv, D]`` each (the KV heads
+    of the model's rank, when it is a tensor-parallel share)."""
+    c = model.rank_config
     p = next(model.parameters())
     shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
     return [(p.new_zeros(shape), p.new_zeros(shape)) for _ in range(c.num_hidden_layers)]

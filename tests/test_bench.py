@@ -139,6 +139,45 @@ def test_bench_decode_with_async_scheduling(tmp_path):
     assert all(p["ours"]["tokens_per_s"] > 0 for p in res["points"])
 
 
+def test_bench_decode_on_two_tensor_parallel_ranks(tmp_path):
+    """The bytes and the roofline are rank 0's: its half of the projections and of the LM
+    head, the norms whole (dummy:tiny: 2 layers, hidden 64, q 64 + k, v 32 each, MLP 128, an
+    untied vocabulary of 512), its one KV head of two; async scheduling's look-ahead steps
+    run on both ranks; no peer."""
+    out = tmp_path / "decode.json"
+    argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu", "--context", "40",
+            "--batch", "1,2", "--steps", "4", "--async-scheduling", "--tensor-parallel-size",
+            "2", "--json", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    meta = res["meta"]
+    assert meta["tensor_parallel_size"] == 2 and meta["peer"] is None
+    assert "tensor parallel" in meta["peer_note"]
+    layer = 64 * (64 + 2 * 32) // 2 + 64 * 64 // 2 + 3 * 64 * 128 // 2 + 2 * 64
+    assert meta["weight_bytes_read"] == 4 * (2 * layer + 64 + 512 * 64 // 2)
+    assert meta["kv_bytes_per_token"] == 4 * 2 * 2 * 1 * 16  # fp32, K and V, 2 layers, 1 head
+    assert [p["status"] for p in res["points"]] == ["ok", "ok"]
+
+
+def test_bench_decode_on_two_ranks_counts_fp8_bytes(tmp_path):
+    """fp8 weights and KV cache on two ranks: rank 0's projections at a byte a weight plus
+    float32 scales (one per output row it holds: o_proj's and down_proj's whole, as their
+    rows are), the rest float32; its one KV head's fp8 K and V plus a bf16 scale each."""
+    out = tmp_path / "decode.json"
+    argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu", "--context", "40",
+            "--batch", "1", "--steps", "2", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+            "--tensor-parallel-size", "2", "--json", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["tensor_parallel_size"] == 2 and meta["kv_cache_dtype"] == "fp8"
+    assert "projections float8 e4m3" in meta["weights"] and "rank 0 of 2" in meta["weights"]
+    rows = (64 + 2 * 32) // 2 + 64 + 2 * 128 // 2 + 64  # qkv, o, gate_up, down
+    fp8 = 64 * (64 + 2 * 32) // 2 + 64 * 64 // 2 + 3 * 64 * 128 // 2  # one byte each
+    layer = fp8 + 4 * rows + 4 * 2 * 64  # scales, norms
+    assert meta["weight_bytes_read"] == 2 * layer + 4 * (64 + 512 * 64 // 2)
+    assert meta["kv_bytes_per_token"] == 2 * 2 * 1 * (16 + 2)  # 2 layers, K and V, 1 head
+
+
 def test_bench_decode_skips_points_that_do_not_fit(tmp_path, capsys):
     out = tmp_path / "decode.json"
     argv = ["bench", "decode", "--model", "dummy:tiny", "--device", "cpu", "--context", "16,600",

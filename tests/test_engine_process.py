@@ -6,7 +6,10 @@ boundary, each against a real server (``python -m server serve`` on ``dummy:tiny
   ``--dead-exit-delay``;
 - the front end dies (SIGKILL): the core exits within 5 s, no process is left behind;
 - SIGTERM (to the front end, or to the whole process group): both drain and exit 0;
-- /metrics shows the core's gauges (from its stats snapshots) moving with the load.
+- /metrics shows the core's gauges (from its stats snapshots) moving with the load;
+- with ``--tensor-parallel-size 2`` the core is rank 0 and starts rank 1, its child: a killed
+  rank 1 kills the core as above (open requests end with an error, 503, exit 1), and the
+  front end's death takes both ranks with it.
 """
 
 from __future__ import annotations
@@ -94,6 +97,14 @@ class Server:
             if "spawn_main" in " ".join(child.cmdline()):
                 return child
         raise AssertionError(f"no engine core process:\n{_tail(self.log)}")
+
+    @property
+    def tp_worker(self) -> psutil.Process:
+        """Tensor-parallel rank 1: the core's child that multiprocessing spawned."""
+        for child in self.core.children():
+            if "spawn_main" in " ".join(child.cmdline()):
+                return child
+        raise AssertionError(f"no tensor-parallel worker process:\n{_tail(self.log)}")
 
     def log_text(self) -> str:
         return _tail(self.log, 100_000)
@@ -298,3 +309,23 @@ def test_metrics_gauges_follow_the_core_and_a_disconnect_frees_the_kv_cache():
                          "the KV cache to be freed", 10)  # fmt: skip
         assert took < 2 * STATS_PERIOD_S + 1, took
         assert _gauges(srv.url)["flashserve_num_requests_running"] == 0
+
+
+def test_a_killed_tensor_parallel_worker_fails_open_requests_health_503_and_exit_1():
+    with server("--dead-exit-delay", "2", "--tensor-parallel-size", "2") as srv:
+        assert httpx.get(f"{srv.url}/info").json()["tensor_parallel_size"] == 2
+        worker = srv.tp_worker
+        took = _core_dies_mid_stream(srv, lambda: worker.send_signal(signal.SIGKILL))
+        assert took < 5.0, f"the open requests took {took:.1f} s to end"  # not a timeout
+        log = srv.log_text()
+        assert "tensor-parallel worker rank 1 died (signal 9)" in log, log[-3000:]
+        assert "died (status 1)" in log
+
+
+def test_sigkilled_front_end_takes_both_tensor_parallel_ranks_with_it():
+    with server("--tensor-parallel-size", "2") as srv:
+        ranks = [srv.core, srv.tp_worker]
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait()
+        took = _wait_for(lambda: all(_gone(p) for p in ranks), "both ranks to exit", 10)
+        assert took < 10

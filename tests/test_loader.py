@@ -365,6 +365,7 @@ def test_dummy_presets_have_real_shapes(preset):
     known = {  # published parameter counts
         "llama3-8b": 8_030_261_248,
         "llama3.1-8b": 8_030_261_248,
+        "llama3.1-70b": 70_553_706_496,
         "llama2-7b": 6_738_415_616,
         "smollm2-135m": 134_515_008,
         "qwen2-0.5b": 494_032_768,

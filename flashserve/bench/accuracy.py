@@ -201,6 +201,7 @@ def measure(config: EngineConfig, text: str, tokens: int, texts: list[str], max_
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
         outputs = [c.token_ids for c in llm.generate(greedy_ids, params)] if texts else []
     finally:
+        llm.close()  # its tensor-parallel workers, if any
         del llm
         gc.collect()
         if torch.cuda.is_available():

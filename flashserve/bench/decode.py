@@ -13,6 +13,12 @@ projections at one byte per weight plus their float32 scales (``weight_bytes_rea
 bytes are those of the cache's dtype (``--kv-cache-dtype``): an fp8 cache's one byte a value
 plus its scales (``kernels.kv_quant``); the peer keeps its bf16 cache but is held to the same
 bytes, so under fp8 its roofline column overstates it (``--no-peer``).
+
+With ``--tensor-parallel-size N`` the bytes and the bandwidth are rank 0's: its share of the
+weights (fp8 ones and their scales' share counted as above) and of the KV (its KV heads, in the
+cache's dtype, scales included), over its own GPU's copy bandwidth, so the roofline is one
+GPU's (the N GPUs read in parallel; the all-reduces are the overhead it does not count). The
+peer does not run then (transformers holds the whole model on one device).
 """
 
 from __future__ import annotations
@@ -94,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth(device)  # before the model takes the memory
     engine = cli.load_engine(LLMEngine, config)
     graphs = engine.runner.graphs is not None  # before the peer frees them
-    points = _run_ours(engine, args)
-    peer_info = _run_peer(engine, args, points)
+    try:
+        points = _run_ours(engine, args)
+        peer_info = _run_peer(engine, args, points)
+    finally:
+        engine.close()
     weights = ours_mod.weight_bytes_read(engine)
     kv_per_token = engine.runner.kv_bytes_per_token
     for p in points:
@@ -107,12 +116,13 @@ def run(args: argparse.Namespace) -> int:
             "device": str(device),
             "dtype": config.dtype,
             # their size and dtypes: float8 projections (--quantization fp8, or an fp8
-            # checkpoint), with their scales' layout
+            # checkpoint), with their scales' layout; rank 0's share under tensor parallelism
             "weights": describe_weights(engine.runner.model),
             "kv_cache_dtype": config.kv_cache_dtype,
             "attention_backend": config.attention_backend,
             "cuda_graphs": graphs,
             "async_scheduling": config.async_scheduling,
+            "tensor_parallel_size": config.tensor_parallel_size,  # the bytes are rank 0's
             "pdl_chain": pdl_chain(device, config.pdl_chain),  # in effect: sm_90+ only
             "copy_bandwidth_gbs": bandwidth / 1e9,
             "weight_bytes_read": weights,
@@ -120,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             # what decides the longest point that fits: the pool's size, and on CUDA the
             # share of memory it came from (--gpu-memory-utilization)
             "kv_pool_tokens": engine.runner.num_blocks * config.block_size,
-            "kv_pool_gib": engine.runner.kv_cache_bytes / 2**30,
+            "kv_pool_gib": engine.runner.kv_cache_bytes / 2**30,  # rank 0's, as every rank's
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "steps": args.steps,
             **peer_info,
@@ -219,6 +229,8 @@ def _make_peer(engine, args: argparse.Namespace):
     """(the peer, None), or (None, why there is none)."""
     if args.no_peer:
         return None, "--no-peer"
+    if engine.config.tensor_parallel_size > 1:
+        return None, "tensor parallel: the peer would hold the whole model on one device"
     try:
         from flashserve.bench.decode_peer import Peer, PeerUnavailable
     except ImportError:

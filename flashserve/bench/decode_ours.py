@@ -129,7 +129,8 @@ def _time_steps(engine: LLMEngine, reqs, steps: int, device: torch.device) -> St
 def weight_bytes_read(engine: LLMEngine) -> int:
     """Bytes of weights one decode step reads: every parameter at its own element size (fp8
     projections one byte a weight, plus their float32 scales), except an untied input
-    embedding table (a step reads only its batch's rows of it)."""
+    embedding table (a step reads only its batch's rows of it). Under tensor parallelism, rank
+    0's share (its model is that)."""
     model = engine.runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:

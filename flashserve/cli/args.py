@@ -91,6 +91,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "that start with the same tokens (default: on)",
     )
     g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="split the model over N ranks, one process and one GPU each (cuda:0..N-1): "
+        "attention heads, MLP and vocabulary; NCCL on CUDA, gloo on a CPU (default: 1). "
+        "Across hosts: run the same command under torchrun on each (README)",
+    )
+    g.add_argument(
         "--pdl-chain",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -113,7 +120,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def load_engine(factory: Callable[[EngineConfig], T], config: EngineConfig) -> T:
-    """Build an engine (``LLM``, ``AsyncLLM``); a model that cannot be loaded is a CLIError."""
+    """Build an engine (``LLM``, ``AsyncLLM``); a model that cannot be loaded is a CLIError.
+    A tensor-parallel rank > 0 under torchrun serves rank 0 instead, and exits."""
+    serve_if_torchrun_worker(config)
     try:
         return factory(config)
     except (OSError, ValueError) as exc:
@@ -127,3 +136,15 @@ def model_error(config: EngineConfig, exc: BaseException) -> CLIError:
     if config.model and text.startswith(config.model):
         return CLIError(f"cannot load the model: {text}")
     return CLIError(f"cannot load the model {config.model or '(default)'}: {text}")
+
+
+def serve_if_torchrun_worker(config: EngineConfig) -> None:
+    """Under torchrun every rank runs the same command; on ranks > 0 it only serves rank 0's
+    steps (``flashserve.engine.tp_worker``) until rank 0 stops, then exits."""
+    from flashserve.engine.parallel import torchrun_env
+
+    env = torchrun_env()
+    if config.tensor_parallel_size > 1 and env is not None and env.rank > 0:
+        from flashserve.engine.tp_worker import serve_torchrun
+
+        raise SystemExit(serve_torchrun(config))

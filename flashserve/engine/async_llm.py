@@ -76,6 +76,7 @@ class AsyncLLM:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
@@ -180,6 +181,7 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.engine.check_alive()  # a dead tensor-parallel rank ends the thread, idle too
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)

@@ -161,6 +161,7 @@ class EngineCore:
             self._loop()
             self._publish(self.engine.fail_all(SHUTTING_DOWN))
         finally:
+            self.engine.close()
             self.inbox.close(linger=0)
             self.outbox.close(linger=LINGER_MS)
             self.ctx.term()
@@ -168,6 +169,7 @@ class EngineCore:
     def _loop(self) -> None:
         engine = self.engine
         while not self._stop:
+            engine.check_alive()  # a dead tensor-parallel rank ends the core, idle too
             outputs = self._drain(wait=not engine.has_unfinished())
             if engine.has_unfinished() and not self._stop:
                 try:

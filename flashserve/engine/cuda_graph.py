@@ -10,6 +10,10 @@ length from device memory. A batch of B decodes runs the graph of the smallest b
 padding rows with one token of KV length 1 whose slot is -1 (nothing is written), and its
 logits rows beyond B are ignored.
 
+Under tensor parallelism a graph holds the step's NCCL collectives too (the all-reduces, the
+logits' gather): every rank captures the same buckets in the same order and replays them in
+step (the communicator was warmed up before: ``TPGroup.join``).
+
 Each graph also picks every row's greedy token and its log-probability
 (``kernels.sampling.greedy_sample``) into one float64 ``[2, B]`` tensor, so that a batch of
 plain greedy requests skips the sampler and reads its tokens back in one copy.
@@ -82,6 +86,8 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
                 self._forward(b)  # warm-up: compiles kernels outside the capture
+                if self.runner.tp.size > 1:  # tensor parallel: its NCCL collectives done, so
+                    torch.cuda.synchronize()  # that NCCL's watchdog has none to poll mid-capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits, greedy = self._forward(b)
@@ -108,15 +114,15 @@ class DecodeGraphs:
         self.backend.replay_metadata(plan, bucket, upload)
         return bucket
 
-    def replay(self, b: int, bucket: int, source: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def input_ids(self, b: int) -> torch.Tensor:
+        """The static input ids of a batch of ``b`` (a look-ahead step's runner writes its
+        tokens there, after staging and before ``replay``)."""
+        return self.staging.fixed["input_ids"][:b]
+
+    def replay(self, b: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the staged step (its upload sent): logits [B, V] float32 and the greedy picks
         [2, bucket] float64 (the whole bucket: read back as it is, one contiguous copy; rows
-        past B are padding). With ``source`` (token ids on the device), the staged input ids
-        are indices into it: the input tokens are gathered there first."""
-        if source is not None:
-            ids = self.staging.fixed["input_ids"][:b]
-            ids.copy_(source[ids])
+        past B are padding)."""
         graph, logits, greedy = self.graphs[bucket]
         graph.replay()
         return logits[:b], greedy

@@ -4,6 +4,10 @@
 ``flashserve.engine.async_llm.AsyncLLM`` runs it on its own thread for the server. The steps
 themselves, plain or overlapped (``async_scheduling``), and the isolation of failing requests
 are ``flashserve.engine.step_pipeline``'s; the engine turns their tokens into outputs.
+
+With ``tensor_parallel_size`` N > 1 the engine's process is rank 0 of N: it starts the other
+ranks (``flashserve.engine.tp_workers``), loads its own share of the model while they load
+theirs, and its runner hands every step to them; ``close()`` stops them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from flashserve.engine.scheduler import Scheduler
 from flashserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from flashserve.engine.step_pipeline import EngineDeadError, StepPipeline, StepResult
 from flashserve.engine.stop_strings import StopMatcher
-from flashserve.loaders.load import load_model
+from flashserve.engine.tp_workers import TPWorkers
+from flashserve.loaders.load import check_tensor_parallel, load_model
+from flashserve.models.sharding import SINGLE
 from flashserve.sampling.params import SamplingParams
 from flashserve.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -53,19 +59,34 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
-        loaded = load_model(
-            self.config.model,
-            self.config.device,
-            self.config.torch_dtype,
-            self.config.attention_backend,
-            self.config.seed,
-            pdl_chain=self.config.pdl_chain,
-            quantization=self.config.quantization,
-        )
+        workers = None
+        if self.config.tensor_parallel_size > 1:  # a model that cannot split fails first
+            check_tensor_parallel(self.config.model, self.config.tensor_parallel_size,
+                                  self.config.quantization)  # fmt: skip
+            workers = TPWorkers.start(self.config)
+        try:
+            loaded = load_model(
+                self.config.model,
+                self.config.device,
+                self.config.torch_dtype,
+                self.config.attention_backend,
+                self.config.seed,
+                pdl_chain=self.config.pdl_chain,
+                quantization=self.config.quantization,
+                tp=workers.group if workers is not None else SINGLE,
+            )
+            if workers is not None:
+                workers.wait_loaded()
+            self.runner = ModelRunner(self.config, loaded.model, loaded.config, workers)
+            if workers is not None:
+                workers.wait_ready()
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(self.config, loaded.model, loaded.config)
         self.max_model_len = self.runner.max_model_len
         self.prompts = PromptChecker(self.tokenizer, loaded.config.vocab_size, self.max_model_len)
         self.block_manager = BlockManager(
@@ -131,6 +152,15 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def check_alive(self) -> None:
+        """EngineDeadError once the engine cannot go on (a tensor-parallel rank died); the
+        engine loops call it while idle too, so that a death is reported without a request."""
+        self.runner.check_alive()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
+        self.runner.close()
 
     def prompt_logits(self, token_ids: list[int]) -> Iterator[torch.Tensor]:
         """Teacher forcing: prefill ``token_ids`` as one sequence through the normal path, in
@@ -258,6 +288,16 @@ class LLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.engine = LLMEngine(config or EngineConfig(**kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

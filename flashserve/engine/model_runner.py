@@ -1,11 +1,20 @@
 """Turns a step into device tensors, runs the model and samples.
 
 The runner owns the device state: the model, the paged KV cache (one K and one V pool per
+The runner owns the device state: the model, the paged KV cache (one K and one V pool per
 layer; an fp8 cache adds a K and a V scale pool per layer, ``kernels.kv_quant``), the sampler
 and the staging that every host-to-device copy of a step goes through. A step is built once on
 the host (``StepPlan``), sent in one upload, and then run one of two ways (``_run``): by
 replaying a captured CUDA graph (decode-only steps) or eagerly. The attention backend builds
 the step's ``AttentionMetadata``, shared by every layer.
+
+Tensor parallelism: every rank has a runner over its share of the model (its KV heads' pools,
+an fp8 cache's scale pools with them, of the block count all ranks agree on: the smallest).
+Rank 0's runner sends each step's plan to the other ranks (``peers``) once its own inputs are
+staged, then runs the same forward; the workers' runners ``follow`` those plans and sample
+nothing. From that send to the end of the forward the ranks meet in collectives: a failure
+there leaves them out of step, so the engine is dead (``EngineDeadError``) rather than
+retrying the step.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import torch
 
 from flashserve.config import EngineConfig
 from flashserve.engine.block_manager import peak_blocks
+from flashserve.engine.errors import EngineDeadError
 from flashserve.engine.sequence import Sequence
 from flashserve.engine.staging import Staging, Upload
 from flashserve.engine.step_plan import StepPlan
@@ -69,27 +79,40 @@ class Launched:
 
 
 class ModelRunner:
-    """Holds the model and its KV cache; ``execute`` runs one scheduled step."""
+    """Holds the model and its KV cache; ``execute`` runs one scheduled step.
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config):
+    ``peers``: rank 0's handle on the other tensor-parallel ranks (``TPWorkers``); a worker's
+    runner has none, and no sampler."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config,
+                 peers=None):  # fmt: skip
         self.config = config
         self.model = model
         self.model_config = model_config
+        self.tp = model.tp
+        self.peers = peers
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         mc = model_config
-        self.kv_shape = (config.block_size, mc.num_key_value_heads, mc.head_dim)
+        kv_heads = model.rank_config.num_key_value_heads  # this rank's
+        self.kv_shape = (config.block_size, kv_heads, mc.head_dim)
         self.kv_dtype = config.torch_kv_dtype
-        # K and V of one token in every layer: the pages, and an fp8 cache's scales
+        # K and V of one token in every layer, this rank's KV heads: the pages, and an fp8
+        # cache's scales
         self.kv_bytes_per_token = mc.num_hidden_layers * kv_bytes_per_token_layer(
-            mc.num_key_value_heads, mc.head_dim, self.kv_dtype
+            kv_heads, mc.head_dim, self.kv_dtype
         )
-        self.num_blocks = self._plan_num_blocks()
+        # every rank's pool holds the same number of blocks, the smallest any rank can hold:
+        # the one scheduler's block tables are then valid on each
+        self.num_blocks = self.tp.min_int(self._plan_num_blocks())
+        if self.num_blocks < 1:  # every rank raises: none waits for the others
+            raise RuntimeError("no memory left for the KV cache; lower --max-model-len or "
+                               "raise --gpu-memory-utilization")  # fmt: skip
         self.max_model_len = self._resolve_max_model_len()
         model.ensure_positions(self.max_model_len)
         # per layer (k, v), or for an fp8 cache (k, v, k_scale, v_scale)
         self.kv_caches = [self._new_layer_cache() for _ in range(mc.num_hidden_layers)]
-        self.sampler = Sampler(mc.vocab_size, self.device)
+        self.sampler = Sampler(mc.vocab_size, self.device) if self.tp.rank == 0 else None
         self.backend = model.backend
         self.staging = Staging(self.device)  # eager steps' uploads; graphs spill into it
         self._landing = self._landing_buffers()
@@ -100,10 +123,11 @@ class ModelRunner:
                 from flashserve.engine.cuda_graph import DecodeGraphs
 
                 self.graphs = DecodeGraphs(self)
+        rank = f" per rank (its {kv_heads} KV heads)" if self.tp.size > 1 else ""
         logger.info(
-            "KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB); max model len %d",
+            "KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB%s); max model len %d",
             config.kv_cache_dtype, self.num_blocks, self.block_size, self.num_kv_tokens,
-            self.kv_cache_bytes / 2**30, self.max_model_len,
+            self.kv_cache_bytes / 2**30, rank, self.max_model_len,
         )  # fmt: skip
 
     @property
@@ -112,7 +136,8 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV pools (and an fp8 cache's scale pools), all layers."""
+        """Bytes of the KV pools (and an fp8 cache's scale pools), all layers; under tensor
+        parallelism this rank's (its KV heads), as every rank's."""
         return self.num_kv_tokens * self.kv_bytes_per_token
 
     def _new_layer_cache(self) -> tuple[torch.Tensor, ...]:
@@ -147,7 +172,8 @@ class ModelRunner:
         return [torch.zeros(n, dtype=torch.float64, pin_memory=True) for _ in range(2)]
 
     def _plan_num_blocks(self) -> int:
-        """Blocks in the KV pool: --max-kv-tokens, else what free memory allows."""
+        """Blocks in this rank's KV pool: --max-kv-tokens, else what free memory allows (0 or
+        less: none)."""
         if self.config.max_kv_tokens is not None:
             return self.config.max_kv_tokens // self.block_size
         if self.device.type == "cuda":
@@ -156,23 +182,19 @@ class ModelRunner:
             per_seq = self._peak_blocks(self._model_len_limit()) * self.block_size
             want = self.config.max_num_seqs * per_seq * self.kv_bytes_per_token
             budget = min(CPU_KV_BYTES, want)
-        num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
-        if num_blocks < 1:
-            raise RuntimeError("no memory left for the KV cache; lower --max-model-len or "
-                               "raise --gpu-memory-utilization")  # fmt: skip
-        return num_blocks
+        return int(budget // (self.kv_bytes_per_token * self.block_size))
 
     def _cuda_kv_budget(self) -> int:
         """Free device memory within --gpu-memory-utilization, less activations of a step."""
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        mc = self.model_config
+        mc = self.model.rank_config  # this rank's MLP width; the logits are gathered whole
         tokens = self.config.max_num_batched_tokens
         # activations of the widest step: a few hidden-size and MLP-size buffers per token,
         # plus fp32 logits for up to max_num_seqs rows; doubled for the allocator's slack
         act = tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size) * 4
-        act += self.config.max_num_seqs * mc.vocab_size * 4 * 3
+        act += self.config.max_num_seqs * self.model_config.vocab_size * 4 * 3
         return int(total * self.config.gpu_memory_utilization - used - 2 * act)
 
     def _model_len_limit(self) -> int:
@@ -251,11 +273,12 @@ class ModelRunner:
         every token it computes, in step order; nothing is sampled (teacher forcing:
         ``LLMEngine.prompt_logits``)."""
         plan = StepPlan.build(seqs, self.block_size)
-        plan = dataclasses.replace(plan, sample_rows=list(range(len(plan.input_ids))))
+        plan = dataclasses.replace(plan, sample_rows=list(range(len(plan.input_ids))),
+                                   eager=True)  # the other ranks' forwards too  # fmt: skip
         upload = self.staging.begin()
         inputs = self.stage(plan, upload)
         upload.send()
-        return self._forward_eager(plan, inputs, None)
+        return self._forward(plan, None, None, inputs, None)[0]
 
     def _run(self, plan: StepPlan, source: torch.Tensor | None = None
              ) -> torch.Tensor | SamplerOutput | None:  # fmt: skip
@@ -264,24 +287,67 @@ class ModelRunner:
         picks [2, >= N] float64 when every row is plain greedy under a graph, else the
         sampler's output over the N sampled rows (None: no row samples). ``source``: the input
         ids are indices into it (a look-ahead step)."""
-        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(plan) else None
+        graphs = self.graphs
+        if graphs is None or plan.eager or not graphs.can_run(plan):
+            graphs = None
         greedy_in_graph = graphs is not None and Sampler.plain_greedy(plan.sampling)
         upload = (graphs.staging if graphs is not None else self.staging).begin()
+        inputs = bucket = None
         if graphs is not None:
             bucket = graphs.stage(plan, upload)
         else:
             inputs = self.stage(plan, upload)
         batch = None
-        if plan.sampling and not greedy_in_graph:
+        if plan.sampling and not greedy_in_graph and self.sampler is not None:
             batch = self.sampler.prepare(plan.sampling, ahead=plan.ahead, upload=upload)
         upload.send()
-        if graphs is not None:
-            logits, picks = graphs.replay(plan.batch_size, bucket, source)
-            if greedy_in_graph:
-                return picks
-        else:
-            logits = self._forward_eager(plan, inputs, source)
+        logits, picks = self._forward(plan, graphs, bucket, inputs, source)
+        if greedy_in_graph:
+            return picks
         return None if batch is None else self.sampler(logits, batch)
+
+    def _forward(self, plan: StepPlan, graphs, bucket: int | None, inputs: StepInputs | None,
+                 source: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+        """The staged step's forward (the other ranks told first): its logits, and with a
+        graph the greedy picks too. A failure between the ranks' meetings is fatal."""
+        try:
+            if self.peers is not None:
+                self.peers.send(plan)
+            if graphs is None:
+                return self._forward_eager(plan, inputs, source), None
+            if plan.ahead:
+                self._ahead_inputs(graphs.input_ids(plan.batch_size), source)
+            return graphs.replay(plan.batch_size, bucket)
+        except Exception as exc:
+            if self.tp.size == 1:
+                raise
+            why = self.peers.dead_reason(wait=1.0) if self.peers is not None else None
+            raise EngineDeadError(why or f"a tensor-parallel step failed after its ranks "
+                                  f"started it: {type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+    def _ahead_inputs(self, ids: torch.Tensor, source: torch.Tensor | None) -> None:
+        """A look-ahead step's input tokens into ``ids`` (row indices into the step before's
+        picks, on rank 0 ``source``): gathered on rank 0's device, then broadcast to the other
+        ranks, whose runners never see the picks."""
+        if source is not None:
+            ids.copy_(source[ids])
+        self.tp.broadcast_(ids)
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A worker's part of a step that rank 0 runs: the same forward, over this rank's
+        shard, sampling nothing."""
+        self._run(plan)
+
+    def check_alive(self) -> None:
+        """EngineDeadError once a tensor-parallel worker has died."""
+        if self.peers is not None:
+            self.peers.check_alive()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.peers is not None:
+            self.peers.close()
 
     def stage(self, plan: StepPlan, upload: Upload) -> StepInputs:
         """An eager step's tensors, added to ``upload`` (usable once it is sent)."""
@@ -295,8 +361,8 @@ class ModelRunner:
                        source: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
         """The model without a graph: logits [N, V] fp32 of the sampled rows, None when no
         row samples. ``source``: the input ids are indices into it."""
-        if source is not None:
-            inputs.input_ids.copy_(source[inputs.input_ids])
+        if plan.ahead:
+            self._ahead_inputs(inputs.input_ids, source)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not plan.sample_rows:
             return None

@@ -22,17 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from flashserve.config import EngineConfig
+from flashserve.engine.errors import EngineDeadError
 from flashserve.engine.model_runner import Launched, ModelRunner, SampledToken
 from flashserve.engine.scheduler import Scheduler, SchedulerOutput
 from flashserve.engine.sequence import Sequence, SequenceStatus
 from flashserve.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot go on (its CUDA context failed): every request fails, and the
-    process should be restarted."""
 
 
 @dataclass
@@ -69,6 +65,8 @@ class StepPipeline:
             try:
                 self.in_flight = self._queue_next(prev)
                 return StepResult(tokens=self._collect(prev))
+            except EngineDeadError:
+                raise
             except Exception:
                 logger.exception("a queued step failed: running the batch again, step by step")
                 self.drop()
@@ -78,6 +76,8 @@ class StepPipeline:
             return self._run_isolating(sched)
         try:
             launched = self.runner.launch(sched.seqs)
+        except EngineDeadError:
+            raise
         except Exception:
             logger.exception("launching a step failed: running it again, step by step")
             return self._run_isolating(sched)
@@ -128,6 +128,8 @@ class StepPipeline:
         decodes-first order), so one bad row among N costs about 2 log2(N) extra steps."""
         try:
             tokens = self.runner.execute(seqs)
+        except EngineDeadError:
+            raise
         except Exception as exc:
             self._check_device(exc)
             if len(seqs) == 1:
@@ -142,7 +144,9 @@ class StepPipeline:
 
     def _check_device(self, exc: Exception) -> None:
         """Raise ``EngineDeadError`` if ``exc`` left the CUDA context unusable (a device-side
-        assert poisons it: every later call fails), where retrying cannot help."""
+        assert poisons it: every later call fails), or a tensor-parallel rank died, where
+        retrying cannot help."""
+        self.runner.check_alive()
         if not self.config.is_cuda:
             return
         try:

@@ -35,6 +35,7 @@ class StepPlan:
     sample_rows: list[int]  # [N] token rows whose logits are sampled
     sampling: list[Sequence]  # [N] the sequence of each sampled row
     ahead: bool  # a look-ahead step: each row samples the token after the one on the device
+    eager: bool = False  # never by graph replay, on any rank (``ModelRunner.every_logits``)
 
     @classmethod
     def build(cls, seqs: list[Sequence], block_size: int,

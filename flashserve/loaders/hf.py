@@ -6,7 +6,7 @@ any weight copied, so a bad download fails at once, in one line naming the file.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +18,16 @@ from flashserve.loaders.quantization import fp8_weights
 from flashserve.loaders.safetensors_header import TensorInfo, read_header
 from flashserve.models.config import ModelConfig
 from flashserve.models.linear import Fp8Weights
+from flashserve.models.sharding import Shard
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+# a tensor's name, shape and dtype -> the part of it a rank reads
+ShardOf = Callable[[str, tuple[int, ...], torch.dtype], Shard]
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -95,15 +102,22 @@ class Checkpoint:
                 raise WeightsError(shard, f"lacks tensor {name}, which {INDEX_FILE} places in it")
         return cls(path, headers)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, shard: ShardOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one at a time, as stored (memory-mapped, on the CPU); the caller
-        copies each into its parameter, converting device and dtype there."""
-        for file in self.headers:
+        copies each into its parameter, converting device and dtype there. ``shard``: only
+        the part of each tensor it names is read (a tensor-parallel rank's)."""
+        for file, infos in self.headers.items():
             self.current = file
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        info = infos[name]
+                        dtype = _TORCH_DTYPES.get(info.dtype, torch.float32)
+                        part = None if shard is None else shard(name, info.shape, dtype)
+                        if part is None or (part.dim is None and not part.zeros):
+                            yield name, f.get_tensor(name)
+                            continue
+                        yield name, part.read(f.get_slice(name).__getitem__, info.shape, dtype)
             except SafetensorError as exc:  # changed since ``open`` read it?
                 raise WeightsError(file, f"unreadable: {exc}") from exc
         self.current = None

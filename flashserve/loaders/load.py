@@ -7,6 +7,12 @@ streamed into it one tensor at a time. Float8 projections (an fp8 checkpoint, fo
 ``quantization_config``, or ``quantization="fp8"``) are allocated in float8 from the start,
 and float weights are quantized one tensor at a time as they arrive: no full-precision copy of
 the model is ever made.
+
+A tensor-parallel rank (``tp``) allocates only its share and reads only its part of each
+tensor (``flashserve.models.sharding``): slices of the safetensors files, float8 weights with
+their scales' matching rows or blocks; GGUF tensors are dequantized whole, one at a time, then
+cut. A float weight of a row-parallel projection quantized per channel is read whole and cut
+once quantized (its scales are its whole rows': ``DecoderForCausalLM.tensor_shard``).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from flashserve.models import DecoderForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
 from flashserve.models.decoder import build_model, init_random
-from flashserve.models.linear import CHANNEL, QUANTIZE_AT_LOAD, Fp8Weights
+from flashserve.models.linear import BLOCK, CHANNEL, QUANTIZE_AT_LOAD, Fp8Weights
 from flashserve.models.presets import preset_config
+from flashserve.models.sharding import SINGLE, TPComm, check_block_scales, check_shardable
 from flashserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,25 +61,27 @@ def load_model(
     seed: int = 0,
     pdl_chain: bool = True,
     quantization: str | None = None,
+    tp: TPComm = SINGLE,
 ) -> LoadedModel:
     """The model ``spec`` names, on ``device`` in ``dtype``, attending with the named backend
     (``torch`` or ``triton``, its kernels in the PDL chain if ``pdl_chain``); ``seed`` seeds
     dummy weights. ``quantization`` ``fp8``: float8 projections, quantized as they load
-    (an fp8 checkpoint gets them without it)."""
+    (an fp8 checkpoint gets them without it). ``tp``: this rank's share of the model
+    (ValueError, before any weight is read, if the model does not split over its ranks)."""
     backend = load_backend(attention_backend, pdl_chain)
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     fp8 = QUANTIZE_AT_LOAD if quantization == "fp8" else None
     if spec is None:
-        loaded = _load_gguf(default_model_path(), device, dtype, backend, fp8)
+        loaded = _load_gguf(default_model_path(), device, dtype, backend, fp8, tp)
     elif spec.startswith("dummy:"):
-        loaded = _load_dummy(spec.removeprefix("dummy:"), device, dtype, backend, seed, fp8)
+        loaded = _load_dummy(spec.removeprefix("dummy:"), device, dtype, backend, seed, fp8, tp)
     else:
         path = pathlib.Path(spec).expanduser()
         if path.is_dir():
-            loaded = _load_hf(path, device, dtype, backend, quantization)
+            loaded = _load_hf(path, device, dtype, backend, quantization, tp)
         elif path.suffix == ".gguf" and path.is_file():
-            loaded = _load_gguf(path, device, dtype, backend, fp8)
+            loaded = _load_gguf(path, device, dtype, backend, fp8, tp)
         else:
             raise FileNotFoundError(f"model {spec!r} is not a Hugging Face directory, an "
                                     "existing .gguf file, or dummy:<preset>")  # fmt: skip
@@ -80,20 +89,61 @@ def load_model(
     return loaded
 
 
+def read_model_config(spec: str | None) -> ModelConfig:
+    """The config of the model ``spec`` names, without its weights or tokenizer."""
+    if spec is not None and spec.startswith("dummy:"):
+        return preset_config(spec.removeprefix("dummy:"))
+    path = default_model_path() if spec is None else pathlib.Path(spec).expanduser()
+    if path.is_dir():
+        return hf_source.read_config(path)
+    if path.suffix == ".gguf" and path.is_file():
+        header = read_gguf_header(path)
+        return gguf_source.read_config(gguf_source.open_reader(path), header.metadata, path.stem)
+    raise FileNotFoundError(
+        f"model {spec!r} is not a Hugging Face directory, an existing .gguf file, or dummy:<preset>"
+    )
+
+
+def check_tensor_parallel(spec: str | None, size: int, quantization: str | None = None) -> None:
+    """What the engine checks before it starts tensor-parallel workers: ValueError, in one
+    line, unless the model ``spec`` names splits over ``size`` ranks (its heads and MLP width:
+    ``check_shardable``; an fp8 checkpoint's 128x128 block scales: ``_check_fp8_split``, a
+    WeightsError naming its config.json). Reads configs only."""
+    config = read_model_config(spec)
+    check_shardable(config, size)
+    path = None if spec is None or spec.startswith("dummy:") else pathlib.Path(spec).expanduser()
+    if path is not None and path.is_dir():
+        _check_fp8_split(config, hf_source.read_fp8_weights(path, quantization), size,
+                         path / "config.json")  # fmt: skip
+
+
+def _check_fp8_split(config: ModelConfig, fp8: Fp8Weights | None, size: int,
+                     file: pathlib.Path) -> None:  # fmt: skip
+    """WeightsError naming ``file`` when 128x128 block scales cannot split over ``size``."""
+    if fp8 is None or fp8.scales != BLOCK or size == 1:
+        return
+    try:
+        check_block_scales(config, size)
+    except ValueError as exc:
+        raise WeightsError(file, str(exc)) from exc
+
+
 def describe_weights(model: DecoderForCausalLM) -> str:
     """Their size and dtypes, for the start-up log: ``14.96 GiB bfloat16``, or with float8
     projections ``8.46 GiB: projections float8 e4m3, per-channel scales (quantized at load)
-    6.51 GiB; embeddings, norms, LM head bfloat16``."""
+    6.51 GiB; embeddings, norms, LM head bfloat16``; a tensor-parallel rank's share says so
+    (``..., rank 1 of 2``)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     rest = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    share = f", rank {model.tp.rank} of {model.tp.size}" if model.tp.size > 1 else ""
     if model.fp8 is None:
-        return f"{_size(total)} {rest}"
+        return f"{_size(total)} {rest}{share}"
     fp8 = sum(p.numel() * p.element_size() for m in model.linears()
               for p in (m.weight, m.weight_scale) if p is not None)  # fmt: skip
     scales = "per-channel" if model.fp8.scales == CHANNEL else "128x128 block"
     return (
         f"{_size(total)}: projections float8 e4m3, {scales} scales ({model.fp8.source}) "
-        f"{_size(fp8)}; embeddings, norms, LM head {rest}"
+        f"{_size(fp8)}; embeddings, norms, LM head {rest}{share}"
     )
 
 
@@ -125,16 +175,17 @@ def _package_files() -> list[pathlib.Path]:
 
 
 def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
-             quantization: str | None) -> LoadedModel:  # fmt: skip
+             quantization: str | None, tp: TPComm) -> LoadedModel:  # fmt: skip
     config = hf_source.read_config(path)
     fp8 = hf_source.read_fp8_weights(path, quantization)
     tokenizer = Tokenizer.from_dir(path)  # before the weights: fail fast
     # every file's header checked, no data read; float8 tensors only where config.json says
     float8 = fp8 is not None and fp8.checkpoint_scale is not None
     checkpoint = hf_source.Checkpoint.open(path, float8)
-    model = _build(config, backend, device, dtype, fp8, path / "config.json")
+    _check_fp8_split(config, fp8, tp.size, path / "config.json")
+    model = _build(config, backend, device, dtype, fp8, path / "config.json", tp)
     try:
-        model.load_weights(checkpoint.weights())
+        model.load_weights(checkpoint.weights(model.tensor_shard if tp.size > 1 else None))
     except WeightsError:
         raise
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
@@ -143,7 +194,7 @@ def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
 
 
 def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
-               fp8: Fp8Weights | None) -> LoadedModel:  # fmt: skip
+               fp8: Fp8Weights | None, tp: TPComm) -> LoadedModel:  # fmt: skip
     header = read_gguf_header(path)  # the whole header checked, every tensor there: no data read
     reader = gguf_source.open_reader(path)
     config = gguf_source.read_config(reader, header.metadata, name=path.stem)
@@ -151,18 +202,22 @@ def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
         tokenizer = Tokenizer.from_gguf(header.metadata)
     except ValueError as exc:  # the file's tokenizer.ggml.* keys, missing or inconsistent
         raise WeightsError(path, str(exc)) from exc
-    model = _build(config, backend, device, dtype, fp8, path)
+    model = _build(config, backend, device, dtype, fp8, path, tp)
+    weights = gguf_source.iter_weights(reader, config)
+    if tp.size > 1:
+        weights = ((name, model.tensor_shard(name, tuple(w.shape), w.dtype).take(w))
+                   for name, w in weights)  # fmt: skip
     try:
-        model.load_weights(gguf_source.iter_weights(reader, config))
+        model.load_weights(weights)
     except ValueError as exc:  # a tensor of the wrong shape, missing or unexpected tensors
         raise WeightsError(path, str(exc)) from exc
     return LoadedModel(model, config, tokenizer, config.name)
 
 
 def _load_dummy(preset: str, device: str, dtype: torch.dtype, backend, seed: int,
-                fp8: Fp8Weights | None) -> LoadedModel:  # fmt: skip
+                fp8: Fp8Weights | None, tp: TPComm) -> LoadedModel:  # fmt: skip
     config = preset_config(preset)
-    model = build_model(config, backend, device, dtype, fp8)
+    model = build_model(config, backend, device, dtype, fp8, tp=tp)
     init_random(model, seed)
     eos = config.eos_token_ids[0]
     tokenizer = Tokenizer.byte_level(config.vocab_size, config.bos_token_id, eos)
@@ -170,11 +225,11 @@ def _load_dummy(preset: str, device: str, dtype: torch.dtype, backend, seed: int
     return LoadedModel(model, config, tokenizer, config.name)
 
 
-def _build(config: ModelConfig, backend, device: str, dtype: torch.dtype,
-           fp8: Fp8Weights | None, file: pathlib.Path) -> DecoderForCausalLM:  # fmt: skip
+def _build(config: ModelConfig, backend, device: str, dtype: torch.dtype, fp8: Fp8Weights | None,
+           file: pathlib.Path, tp: TPComm) -> DecoderForCausalLM:  # fmt: skip
     """``build_model``; a shape the float8 layout cannot hold (block scales over fused parts
     of the wrong size) is a WeightsError naming ``file``, before anything is allocated."""
     try:
-        return build_model(config, backend, device, dtype, fp8)
+        return build_model(config, backend, device, dtype, fp8, tp=tp)
     except ValueError as exc:
         raise WeightsError(file, str(exc)) from exc

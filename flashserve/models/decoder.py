@@ -35,6 +35,7 @@ from flashserve.models.attention import (
 from flashserve.models.config import ModelConfig
 from flashserve.models.linear import CHANNEL, Fp8Weights, Linear
 from flashserve.models.rope import RotaryEmbedding
+from flashserve.models.sharding import SINGLE, WHOLE, Shard, TPComm, rank_config, tensor_shard
 from flashserve.models.weights import (
     FUSED_CHECKPOINTS,
     Slot,
@@ -43,6 +44,8 @@ from flashserve.models.weights import (
     weight_slots,
 )
 from kernels.quant import quantize_blocks, quantize_per_channel
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin tables [P, R/2]
 
@@ -151,8 +154,9 @@ class DecoderLayer(nn.Module):
     layer (or the model's final norm) must apply to it first."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
-                 fp8: str | None = None):  # fmt: skip
+                 fp8: str | None = None, *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
+        self.tp = tp  # row-parallel o_proj and down_proj: their outputs summed over ranks
         self.input_layernorm = _norm(config, backend)
         self.self_attn = Attention(config, backend, layer, fp8)
         self.post_attention_layernorm = _norm(config, backend)
@@ -182,21 +186,22 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual, post)
-        x = self.self_attn(x, positions, ropes, kv_cache, meta)
+        x = self.tp.all_reduce(self.self_attn(x, positions, ropes, kv_cache, meta))
         if self.sandwich:  # post_attention_layernorm, the add, pre_feedforward_layernorm
             x, residual = self.pre_feedforward_layernorm(x, residual,
                                                          self.post_attention_layernorm)  # fmt: skip
-            return self.mlp(x), residual  # post_feedforward_layernorm: the next norm's
+            return self.tp.all_reduce(self.mlp(x)), residual  # post_feedforward: the next norm's
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.tp.all_reduce(self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None,
+                 *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, i, fp8) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, i, fp8, tp=tp) for i in range(config.num_hidden_layers)
         )
         self.norm = _norm(config, backend)
         self.rotary_emb = RotaryEmbedding(config)  # the global layers'
@@ -210,18 +215,26 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """Decoder plus LM head; parameters never require grad. ``fp8``: the projections hold
-    float8 weights as it says (the embeddings, norms and LM head keep the model's dtype)."""
+    float8 weights as it says (the embeddings, norms and LM head keep the model's dtype).
+
+    With ``tp`` of several ranks the model is this rank's share (``flashserve.models.sharding``):
+    ``config`` is the whole model's, ``rank_config`` the shape of the share (its heads, KV
+    heads, MLP width, vocabulary rows), which the layers are built with; a float8 projection
+    holds its rows or columns of the weight and the scales that go with them."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
-                 fp8: Fp8Weights | None = None):  # fmt: skip
+                 fp8: Fp8Weights | None = None, *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
         self.config = config
         self.fp8 = fp8
+        self.tp = tp
+        self.rank_config = rank_config(config, tp.size)
         self.backend = attn_backend  # its metadata and graph hooks serve the model runner
-        self.model = DecoderModel(config, attn_backend, fp8.scales if fp8 else None)
+        self.model = DecoderModel(self.rank_config, attn_backend, fp8.scales if fp8 else None,
+                                  tp=tp)  # fmt: skip
         self.lm_head = None  # tied: compute_logits uses the embedding matrix
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.rank_config.vocab_size, bias=False)
         self._embed_scales: dict[torch.dtype, float] = {}
         self.requires_grad_(False)
 
@@ -242,13 +255,25 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """The token embeddings, times ``embed_scale`` rounded to their dtype first (as
         transformers' Gemma does: sqrt(3072) is 55.5 in bf16)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self._lookup(input_ids)
         if self.config.embed_scale == 1.0:
             return x
         if x.dtype not in self._embed_scales:
             scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
             self._embed_scales[x.dtype] = scale.item()
         return x * self._embed_scales[x.dtype]
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The embedding rows of ``input_ids``; vocabulary-parallel: each rank's rows, zeros
+        for ids outside them, summed over the ranks."""
+        table = self.model.embed_tokens
+        if self.tp.size == 1:
+            return table(input_ids)
+        rows = table.num_embeddings
+        local = input_ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = table(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def ensure_positions(self, num_positions: int) -> None:
         """Serve positions up to ``num_positions - 1`` (the engine's max_model_len): grows
@@ -257,9 +282,13 @@ class DecoderForCausalLM(nn.Module):
             rotary.resize(num_positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        """float32 logits, soft-capped (``cap * tanh(logits / cap)``) when the config says."""
+        """float32 logits, soft-capped (``cap * tanh(logits / cap)``) when the config says;
+        vocabulary-parallel: each rank's columns, gathered (every rank gets them all), the
+        padding dropped, then capped."""
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         logits = self.backend.linear(hidden, head.weight).float()
+        if self.tp.size > 1:
+            logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcap
         return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
@@ -268,7 +297,8 @@ class DecoderForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into our (fused) parameters, converting dtype and
         device on the way (a projection's float weights are quantized when the model holds
         fp8 ones: ``Linear.load``). Raises ValueError naming missing, unexpected or misshapen
-        tensors."""
+        tensors. A tensor-parallel rank takes each tensor as ``tensor_shard`` cuts it: its
+        part, or whole where it says so (``_quantized_whole``), cut here once quantized."""
         scale_name = self.fp8.checkpoint_scale if self.fp8 else None
         slots = self._weight_slots()
         loaded, unexpected = set(), []
@@ -281,10 +311,13 @@ class DecoderForCausalLM(nn.Module):
                 continue
             param, start, size, linear, kind = slots[name]
             if linear is not None:
-                if linear.load(kind, tensor, start, size, name) and scale_name:
+                columns = None
+                if kind == "weight" and self._quantized_whole(name, tensor.dtype):
+                    columns = self._rank_shard(name).take
+                if linear.load(kind, tensor, start, size, name, columns) and scale_name:
                     loaded.add(name.removesuffix("weight") + scale_name)  # quantized here
             else:
-                if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                if tensor.dtype in _FLOAT8:
                     raise ValueError(f"tensor {name} is {tensor.dtype}: only the decoder's "
                                      "projections take float8 weights (embeddings, norms and "
                                      "the LM head stay unquantized)")  # fmt: skip
@@ -299,11 +332,44 @@ class DecoderForCausalLM(nn.Module):
         check_complete(sorted(set(slots) - loaded), unexpected)
 
     def _weight_slots(self) -> dict[str, Slot]:
-        """Hugging Face name -> ``Slot`` (our parameter, its rows, its projection)."""
-        return weight_slots(self, self.config, self.fp8.checkpoint_scale if self.fp8 else None)
+        """Hugging Face name -> ``Slot`` (our parameter, its rows, its projection), in this
+        rank's shapes."""
+        scale_name = self.fp8.checkpoint_scale if self.fp8 else None
+        return weight_slots(self, self.rank_config, scale_name)
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def tensor_shard(self, name: str, shape: tuple[int, ...] | None = None,
+                     dtype: torch.dtype | None = None) -> Shard:  # fmt: skip
+        """What this rank reads of the checkpoint tensor (or parameter) ``name`` of ``shape``
+        and ``dtype``: its part (``sharding.tensor_shard``), or all of it where the rank
+        quantizes it whole (``_quantized_whole``: ``load_weights`` cuts it then). The loaders
+        read only that."""
+        name = checkpoint_name(name, self.config)
+        if name is None:  # a tensor the model skips (a vision tower's): read as it is
+            return WHOLE
+        if dtype is not None and self._quantized_whole(name, dtype):
+            return WHOLE
+        return self._rank_shard(name, shape)
+
+    def _rank_shard(self, name: str, shape: tuple[int, ...] | None = None) -> Shard:
+        return tensor_shard(name, self.config, self.tp.rank, self.tp.size, shape)
+
+    def _quantized_whole(self, name: str, dtype: torch.dtype) -> bool:
+        """A float weight of a row-parallel projection (o_proj, down_proj) that this rank
+        quantizes per channel: its scales are amaxes of whole rows, which its columns alone
+        do not give, so it is read whole, quantized, then cut (its scales replicated, as an
+        fp8 checkpoint's per-channel scales of a row-parallel weight are). Column-parallel
+        rows and 128-column blocks quantize alike alone or whole: those are read cut."""
+        return (
+            self.tp.size > 1
+            and self.fp8 is not None
+            and self.fp8.scales == CHANNEL
+            and dtype not in _FLOAT8
+            and name.endswith(".weight")
+            and self._rank_shard(name).dim == 1
+        )
 
 
 def build_model(
@@ -312,12 +378,15 @@ def build_model(
     device: str,
     dtype: torch.dtype,
     fp8: Fp8Weights | None = None,
+    *,
+    tp: TPComm = SINGLE,
 ) -> DecoderForCausalLM:
     """A model with uninitialised weights allocated once, directly on ``device`` in ``dtype``
     (the projections' weights in float8 e4m3 and their scales in float32 with ``fp8``; the
-    RoPE tables are computed); fill it with ``load_weights`` or ``init_random``."""
+    RoPE tables are computed); fill it with ``load_weights`` or ``init_random``. With ``tp``
+    of several ranks: this rank's share only."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, attn_backend, fp8)
+        model = DecoderForCausalLM(config, attn_backend, fp8, tp=tp)
         model = model.to(dtype=dtype)
         for linear in model.linears():
             linear.set_fp8_dtypes()
@@ -331,11 +400,14 @@ def build_model(
 def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
     """Dummy weights: norms the identity (1, or 0 for Gemma's ``1 + w``), biases 0,
     everything else N(0, std), from ``seed``. A float8 projection draws its weight in the
-    embeddings' dtype (the same numbers as the unquantized model's) and quantizes it."""
+    embeddings' dtype (the same numbers as the unquantized model's) and quantizes it. A
+    rank's share draws each whole tensor, quantizes it whole where float8, and keeps its part
+    (and its scales' part): the same weights whatever the tensor-parallel size."""
     device = next(model.parameters()).device
     dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     identity = 0.0 if model.config.norm_unit_offset else 1.0
+    whole = _whole_shapes(model) if model.tp.size > 1 else {}
     fp8 = {id(m.weight): m for m in model.linears() if m.fp8 is not None}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -345,11 +417,27 @@ def init_random(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None
         elif name.endswith(".weight_scale"):
             continue  # set with its weight
         elif id(p) in fp8:
-            w = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            shape = whole.get(name, tuple(p.shape))
+            w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
             linear = fp8[id(p)]
             quantize = quantize_per_channel if linear.fp8 == CHANNEL else quantize_blocks
             q, scale = quantize(w.float())
-            p.copy_(q)
-            linear.weight_scale.copy_(scale)
+            del w
+            scale_shard = model.tensor_shard(f"{name}_scale", tuple(scale.shape))
+            p.copy_(model.tensor_shard(name).take(q))
+            linear.weight_scale.copy_(scale_shard.take(scale))
+        elif name in whole:
+            w = torch.empty(whole[name], dtype=p.dtype, device=device)
+            p.copy_(model.tensor_shard(name).take(w.normal_(0.0, std, generator=gen)))
         else:
             p.normal_(0.0, std, generator=gen)
+    if whole and device.type == "cuda":  # the whole tensors' memory back to the device: the
+        torch.cuda.empty_cache()  # KV pool is sized from what the driver reports free
+
+
+def _whole_shapes(model: DecoderForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in the whole (unsharded) model (its projections' weights: float8
+    ones have the same shapes; their scales are not drawn)."""
+    with torch.device("meta"):
+        whole = DecoderForCausalLM(model.config, model.backend)
+    return {name: tuple(p.shape) for name, p in whole.named_parameters()}

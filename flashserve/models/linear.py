@@ -18,6 +18,7 @@ projection (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +105,15 @@ class Linear(nn.Module):
     # ---- loading ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load(self, kind: str, tensor: torch.Tensor, start: int, size: int | None,
-             name: str) -> bool:  # fmt: skip
+    def load(self, kind: str, tensor: torch.Tensor, start: int, size: int | None, name: str,
+             columns: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:  # fmt: skip
         """Copy a checkpoint tensor into rows ``[start, start + size)`` (None: all rows):
         ``kind`` is ``weight``, ``bias`` or ``scale``. True when a float tensor was quantized
-        here, filling these rows' scales too. ValueError naming ``name`` on a bad shape."""
+        here, filling these rows' scales too. ValueError naming ``name`` on a bad shape.
+
+        ``columns`` (a per-channel float weight, whole, of a tensor-parallel rank's
+        row-parallel projection): quantized whole, so that each row's scale is the whole
+        row's, then cut by ``columns`` to the columns this projection holds."""
         size = self.out_features if size is None else size
         if kind == "bias":
             _copy(self.bias.data.narrow(0, start, size), tensor, name)
@@ -124,12 +129,17 @@ class Linear(nn.Module):
         if is_fp8 or self.fp8 is None:
             _copy(rows, tensor, name)
             return False
-        if tuple(tensor.shape) != tuple(rows.shape):
+        if columns is not None and self.fp8 != CHANNEL:
+            raise ValueError(f"tensor {name}: only per-channel scales quantize a whole tensor "
+                             "to keep some of its columns")  # fmt: skip
+        if columns is None and tuple(tensor.shape) != tuple(rows.shape):
             _copy(rows, tensor, name)  # raises, naming the shapes
         w = tensor.to(device=rows.device, dtype=torch.float32)
         quantize = quantize_per_channel if self.fp8 == CHANNEL else quantize_blocks
         q, scale = quantize(w)
-        rows.copy_(q)
+        if columns is not None:
+            q = columns(q)
+        _copy(rows, q, name)
         self._scale_rows(start, size).copy_(scale)
         return True
 

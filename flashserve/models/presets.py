@@ -23,19 +23,30 @@ _LLAMA3_8B = {
     "eos_token_id": [128001, 128009],
 }
 
+_LLAMA31_ROPE = {
+    "max_position_embeddings": 131072,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": _LLAMA3_8B,
     # Llama 3.1: same shapes, 128K context through llama3 RoPE scaling
-    "llama3.1-8b": {
+    "llama3.1-8b": {**_LLAMA3_8B, **_LLAMA31_ROPE},
+    # meta-llama/Llama-3.1-70B: 141 GB of bf16 weights, for tensor parallelism (2+ GPUs)
+    "llama3.1-70b": {
         **_LLAMA3_8B,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        **_LLAMA31_ROPE,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
     },
     "llama2-7b": {
         "model_type": "llama",

@@ -1,4 +1,5 @@
-"""Fault injection for tests/test_engine_process.py, in a real server's engine core process.
+"""Fault injection for tests/test_engine_process.py, in a real server's engine core process,
+and for tests/test_tp_engine.py, in a tensor-parallel worker.
 
 With this folder on PYTHONPATH, Python imports this module at start-up in every process of
 the server; it acts only in the engine core process (multiprocessing's spawned child, which
@@ -25,3 +26,12 @@ if _AFTER and "--multiprocessing-fork" in sys.argv:
         return _publish(self, outputs)
 
     EngineCore._publish = _broken_publish
+
+if os.environ.get("FLASHSERVE_TEST_TP_WORKER_FAULT") and "--multiprocessing-fork" in sys.argv:
+    # a spawned tensor-parallel worker fails to load its share of the model
+    from flashserve.engine import tp_worker
+
+    def _broken_load(config, group, store):
+        raise RuntimeError(f"injected: rank {group.rank} cannot load its share")
+
+    tp_worker._load = _broken_load
