@@ -100,7 +100,16 @@ def _prefill_inner(
             page = tl.load(bt + start // PAGE).to(tl.int64)
             row = page * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
         else:
-            page = tl.load(bt + kv // PAGE, mask=live, other=0).to(tl.int64)
+            page_live = live
+            if FP8:  # a page's tokens take one entry: the scale loads are hinted contiguous
+                # per page, so an entry masked token by token (a window starting mid-page)
+                # would mix two pages in one hinted run (H100: a page-16 window read wrong
+                # scales, rel err 0.97)
+                first = kv // PAGE * PAGE  # [BN] each token's page start
+                page_live = first < seq_len
+                if MASKED and WINDOWED:
+                    page_live = page_live & (first + PAGE > win_lo)
+            page = tl.load(bt + kv // PAGE, mask=page_live, other=0).to(tl.int64)
             row = page * stride_kb + (kv % PAGE) * stride_kt + head_off
         ptrs = row[:, None] + offs_d[None, :]  # [BN, BD]
         if MASKED:
@@ -122,6 +131,7 @@ def _prefill_inner(
             k_sc = tl.load(KS + srow).to(tl.float32)  # masked below with the scores
             v_sc = tl.load(VS + srow).to(tl.float32)
             if MASKED:  # past the end a slot's scale may be anything: 0 * NaN is NaN
+                k_sc = tl.where(live, k_sc, 0.0)
                 v_sc = tl.where(live, v_sc, 0.0)
             k = k.to(q.dtype)  # exact
             v = v.to(q.dtype)

@@ -69,7 +69,10 @@ def _e4m3(x, scale):
     e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127 - 6)  # biased exponent
     c = ((e + 20) << 23).to(tl.float32, bitcast=True)
     r = (a + c) - c
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
+    # the sign bit copied bitwise: Triton's -r is 0 - r, +0 for r = 0 (the H100 stored +0 for
+    # a value torch rounds to -0)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
