@@ -144,7 +144,10 @@ class TestOneEngineOnTwoRanks:
 def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint):
     """Teacher forcing over 35 tokens in steps of 10 (later chunks read the fp8 cache of
     earlier ones): the logits differ only by the all-reduces' order of sums, and the rare fp8
-    rounding that this tips over (measured over 40 texts of 120 tokens: at most 6.7e-7)."""
+    rounding that this tips over: a cached K/V value one e4m3 step (2^-3) away moves the
+    logits by up to ~2e-5 relative (measured: at most 6.7e-7 over 40 texts of 120 tokens, then
+    1.8e-5 in one run of eight of this test), so the bound is 1e-3; a missing all-reduce or a
+    wrong shard moves them by ~1."""
     config = dict(model=checkpoint, quantization="fp8", kv_cache_dtype="fp8", **ENGINE)
     reqs = [(p, s) for p, s in _requests() if s.temperature == 0]
     text = torch.randint(3, 500, (35,)).tolist()
@@ -160,7 +163,7 @@ def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint):
             got[size] = ([o.token_ids for o in outs], logits, runner.kv_bytes_per_token)
     assert got[2][2] * 2 == got[1][2]  # fp8 pages and scales of one KV head of two
     assert got[2][0] == got[1][0]
-    assert rel_err(got[2][1], got[1][1]) < 1e-5, describe_diff(got[2][1], got[1][1])
+    assert rel_err(got[2][1], got[1][1]) < 1e-3, describe_diff(got[2][1], got[1][1])
 
 
 # ---- start-up refusals ----------------------------------------------------------------------
@@ -226,7 +229,8 @@ def test_more_ranks_than_gpus_are_refused(monkeypatch, capsys):
 
 def test_a_worker_that_cannot_load_fails_the_start_with_its_error(monkeypatch):
     faults = Path(__file__).parent / "faults"  # its sitecustomize breaks the worker's load
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), os.environ["PYTHONPATH"]]))
+    paths = [str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     monkeypatch.setenv("FLASHSERVE_TEST_TP_WORKER_FAULT", "1")
     before = set(psutil.Process().children())
     with pytest.raises(RuntimeError) as err:
