@@ -256,9 +256,26 @@ def test_bench_prefill_json_with_peer(tmp_path, capsys):
             assert side["tokens_per_s"] == pytest.approx(p["tokens"] / side["median_s"])
         assert p["ratio"] == pytest.approx(p["ours"]["median_s"] / p["peer"]["median_s"])
         assert p["peak_memory_bytes"] > 0
+        assert p["ours"]["tflops"] == pytest.approx(
+            p["flops"]["total"] / p["ours"]["median_s"] / 1e12
+        )
     table = capsys.readouterr().out
-    assert "transformers s" in table and "ratio (ours/tf)" in table
+    assert "transformers s" in table and "ratio (ours/tf)" in table and "ours TFLOP/s" in table
     assert table.splitlines()[2].split()[0] == "9"
+
+
+def test_prefill_flops_counts_the_issue_s_way():
+    """Llama-3-8B at 32,768 tokens: 7.39e14 FLOPs (1.44 s was 513 TFLOP/s in issue 17), the
+    attention 38% of them; a window counts only the keys each query sees, by brute force."""
+    from flashserve.bench.prefill import _pairs, prefill_flops
+    from flashserve.models.presets import preset_config
+
+    flops = prefill_flops(preset_config("llama3.1-8b"), 32768)
+    assert flops["total"] / 1.44 / 1e12 == pytest.approx(513, abs=1)
+    assert flops["attention"] / flops["total"] == pytest.approx(0.38, abs=0.005)
+    for n, w in ((1, 0), (7, 0), (10, 3), (10, 10), (10, 40), (33, 8)):
+        brute = sum(min(i + 1, w) if w else i + 1 for i in range(n))
+        assert _pairs(n, w) == brute, (n, w)
 
 
 def test_bench_prefill_without_peer_skips_what_does_not_fit(tmp_path, capsys):
