@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import time
 
 import torch
 
-from kernels.bench import SMOKE, copy_bandwidth, graph_time
-from kernels.bench_gemv import DEV, DT, SHAPES, rel_err
-from kernels.gemv import _num_sms, gemv_config, linear_small_m, split_k_for
+from kernels.bench import SMOKE, graph_time
+from kernels.bench_gemv import DEV, DT, SHAPES, finish, rel_err, start
+from kernels.gemv import gemv_config, linear_small_m, split_k_for
 from kernels.quant import dequantize, quantize_blocks, quantize_per_channel
 
 MS = (1, 8)
@@ -128,16 +126,7 @@ def main(argv=None) -> None:
                     help="comma-separated shape names (kernels.bench_gemv.SHAPES)")  # fmt: skip
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="bf16,fp8-channel,fp8-block")
     args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    sms = _num_sms(torch.device(DEV))
-    import triton
-
-    meta = {"device": "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name(),
-            "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version()}  # fmt: skip
-    print(json.dumps(meta), flush=True)
-    copy_gbs = copy_bandwidth()
-    print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
+    t0, sms, meta, copy_gbs = start()
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -145,10 +134,7 @@ def main(argv=None) -> None:
             rows += bench_point(layout, name, n, k, sms, copy_gbs, args.sweep)
             torch.cuda.empty_cache() if not SMOKE else None
     print_table(rows, copy_gbs)
-    print(f"total {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    finish(t0, meta, copy_gbs, rows, args.json)
 
 
 if __name__ == "__main__":

@@ -129,34 +129,44 @@ def print_table(rows: list[dict], copy_gbs: float) -> None:
               f"{r['max_rel_err']:7.1e}")  # fmt: skip
 
 
+def start() -> tuple[float, int, dict, float]:
+    """A run's start: (its clock, the SM count, the run's metadata, the copy bandwidth in GB/s),
+    the metadata and the bandwidth printed (kernels.bench_gemv and kernels.bench_fp8)."""
+    import triton
+
+    t0 = time.perf_counter()
+    sms = _num_sms(torch.device(DEV))
+    meta = {"device": "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name(),
+            "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version()}  # fmt: skip
+    print(json.dumps(meta), flush=True)
+    copy_gbs = copy_bandwidth()
+    print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
+    return t0, sms, meta, copy_gbs
+
+
+def finish(t0: float, meta: dict, copy_gbs: float, rows: list[dict], path: str | None) -> None:
+    """The run's time, and every row in ``path`` as JSON when given."""
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--wide", action="store_true", help="sweep more configs (tuning)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
     args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    sms = _num_sms(torch.device(DEV))
-    meta = {
-        "device": "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name(),
-        "sms": sms, "torch": torch.__version__, "python": platform.python_version(),
-    }  # fmt: skip
-    import triton
-
-    meta["triton"] = triton.__version__
-    print(json.dumps(meta), flush=True)
-    copy_gbs = copy_bandwidth()
-    print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
+    t0, sms, meta, copy_gbs = start()
     rows = []
     for name in args.shapes.split(","):
         n, k = {**SHAPES, **EXTRA_SHAPES}[name]
         rows += bench_shape(name, n, k, sms, copy_gbs, args.wide)
         torch.cuda.empty_cache() if not SMOKE else None
     print_table(rows, copy_gbs)
-    print(f"total {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    finish(t0, meta, copy_gbs, rows, args.json)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import torch
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
+from kernels.quant import E4M3, E4M3_MAX
+
+FP8_KV_DTYPE = E4M3  # the pages: the same e4m3 as fp8 weights (kernels.quant)
 KV_SCALE_DTYPE = torch.bfloat16
-FP8_MAX = 448.0  # e4m3's largest finite value
+FP8_MAX = E4M3_MAX  # e4m3's largest finite value
 # amax floor: an all-zero head gets a scale that is a normal number in bf16 and float32 (and
 # quantizes to zeros); any |x| this small is noise next to the other heads
 FP8_AMAX_FLOOR = 2.0**-64
