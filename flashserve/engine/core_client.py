@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.connection
 import shutil
 import tempfile
 import threading
@@ -94,6 +95,10 @@ class EngineCoreClient:
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
         self._proc = ctx.Process(target=run_core, args=(config, addresses, theirs, level),
                                  name="flashserve-engine-core")  # fmt: skip
+        # the shutdown thread and the event loop both look at the process: two waitpid calls
+        # at once leave one without the status (multiprocessing then says None), so every
+        # look goes through _exitcode, under this lock
+        self._proc_lock = threading.Lock()
         self._proc.start()
         theirs.close()
         atexit.register(self._kill)  # whatever happens to this process, no core outlives it
@@ -128,13 +133,12 @@ class EngineCoreClient:
         it cannot, or dies first."""
         died = "the engine core process exited with status {} while loading the model"
         while not conn.poll(0.1):
-            if not self._proc.is_alive():
-                raise CoreStartupError(died.format(self._proc.exitcode))
+            if (code := self._exitcode()) is not None:
+                raise CoreStartupError(died.format(code))
         try:
             kind, *rest = conn.recv()
         except EOFError:
-            self._proc.join(5)
-            raise CoreStartupError(died.format(self._proc.exitcode)) from None
+            raise CoreStartupError(died.format(self._wait_exit(5))) from None
         if kind == "error":
             raise CoreStartupError(rest[0])
         return rest[0]
@@ -156,11 +160,11 @@ class EngineCoreClient:
         if self._stopping:
             return
         self._stopping = True
-        if self._proc.is_alive():
+        if self._exitcode() is None:
             self._send(Shutdown())
-            self._proc.join(STOP_TIMEOUT_S)
+            self._wait_exit(STOP_TIMEOUT_S)
         self._kill()
-        logger.info("the engine core stopped with status %s", self._proc.exitcode)
+        logger.info("the engine core stopped with status %s", self._exitcode())
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop_reading)
 
@@ -174,22 +178,36 @@ class EngineCoreClient:
 
     def _kill(self) -> None:
         """End the core now if it still runs, and remove the sockets' directory."""
-        if self._proc.is_alive():
-            self._proc.kill()
-        if self._proc.pid is not None and self._proc.exitcode is None:
-            self._proc.join(5)
+        if self._proc.pid is not None and self._exitcode() is None:
+            with self._proc_lock:
+                self._proc.kill()
+            self._wait_exit(5)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _exitcode(self) -> int | None:
+        """The core's exit status (negative: the signal), None while it runs."""
+        with self._proc_lock:
+            return self._proc.exitcode
+
+    def _wait_exit(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for the core to exit; its status, None if it still runs."""
+        if multiprocessing.connection.wait([self._proc.sentinel], timeout):
+            # the sentinel closes as the process exits, a moment before it can be reaped
+            with self._proc_lock:
+                self._proc.join()
+        return self._exitcode()
 
     @property
     def is_running(self) -> bool:
-        return self._started and not self._stopping and self._dead is None and self._proc.is_alive()
+        return (self._started and not self._stopping and self._dead is None
+                and self._exitcode() is None)  # fmt: skip
 
     def stalled_reason(self, stall_timeout: float) -> str | None:
         """Why the engine is dead, or None while it makes progress: the core process is gone,
         or requests are pending and its last message is older than ``stall_timeout`` s."""
         if self._dead is not None:
             return self._dead
-        if not self._proc.is_alive():
+        if self._exitcode() is not None:
             return self._exit_reason()
         if not self._started or self._stopping:
             return "the engine is not running"
@@ -275,7 +293,7 @@ class EngineCoreClient:
         """The core process ended (its sentinel is readable): if it was not told to, every
         open request ends with an error and the engine counts as dead."""
         self._loop.remove_reader(self._proc.sentinel)
-        self._proc.join(1)
+        self._wait_exit(1)
         if self._stopping:
             return
         self._dead = self._exit_reason()
@@ -291,6 +309,6 @@ class EngineCoreClient:
             state.queue.put_nowait((time.monotonic(), out))
 
     def _exit_reason(self) -> str:
-        code = self._proc.exitcode
+        code = self._exitcode()
         how = f"signal {-code}" if code is not None and code < 0 else f"status {code}"
         return f"the engine core process died ({how})"
