@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +29,8 @@ from kernels import decode, prefill, rope  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 # runtime ints that a launch does not specialize as multiples of 16 (the rest are pointers and
 # strides of contiguous pools, which it does)
-UNALIGNED = {"window", "num_splits", "min_split", "stride_btb", "eps"}
+UNALIGNED = {"window", "num_splits", "min_split", "stride_btb", "eps", "n_tiles", "n_heads",
+             "n_seqs"}  # fmt: skip
 
 
 def _compile(jit, pointers: dict, consts: dict, **options):
@@ -68,7 +71,7 @@ def prefill_kernel(fp8: bool, dt: str = "bf16", d: int = 128, cfg=(128, 128, 8, 
     ptrs = {"Q": f"*{dt}", **_caches(fp8, dt), "CuSeqlensQ": "*i32", "SeqLens": "*i32",
             "BlockTables": "*i32", "Out": f"*{dt}", "Lse": "*fp32"}  # fmt: skip
     consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, STORE_LSE=True, WINDOWED=False, SOFTCAP=False,
-                  FP8=fp8, BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_D=d,
+                  FP8=fp8, TMA=False, PERSISTENT=False, BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_D=d,
                   DOT_PRECISION="ieee" if dt == "fp32" else "tf32")  # fmt: skip
     consts.update(flags)
     return _compile(prefill._prefill_kernel, ptrs, consts, num_warps=cfg[2], num_stages=cfg[3])
@@ -86,13 +89,31 @@ def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
     return _compile(rope._rope_write_kv_kernel, ptrs, consts, num_warps=4, enable_fp_fusion=False)
 
 
+def resources(kernel) -> dict:
+    """Registers per thread and the stack frame (where spills go) of the cubin, read by the
+    ``cuobjdump`` that ships with Triton (``CompiledKernel.n_regs`` / ``n_spills`` are only
+    filled in when the kernel is loaded on a GPU)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    regs, stack, local = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out).groups()
+    return {"regs": int(regs), "stack_bytes": int(stack), "local_bytes": int(local)}
+
+
 def summary(kernel) -> dict:
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     loop = ttgir[ttgir.find("scf.for") :]
     loop = loop[: loop.find("scf.yield")] if "scf.for" in ttgir else ""
     return {
         "shared": kernel.metadata.shared,
+        **resources(kernel),
         "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
+        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
         "loop_loads": re.findall(r"tt\.load [^:]*: (tensor<[^>]*>)", loop),
     }
 
@@ -103,6 +124,9 @@ VARIANTS = {
     "decode-fp8-d256-window-softcap": lambda: decode_kernel(True, d=256, tiles=(64, 4, 3),
                                                            WINDOWED=True, SOFTCAP=True),
     "decode-fp8-fp32": lambda: decode_kernel(True, dt="fp32"),
+    "prefill-bf16": lambda: prefill_kernel(False),
+    "prefill-bf16-d64": lambda: prefill_kernel(False, d=64, cfg=(128, 64, 8, 3)),
+    "prefill-bf16-d256": lambda: prefill_kernel(False, d=256, cfg=(128, 64, 8, 2)),
     "prefill-fp8": lambda: prefill_kernel(True),
     "prefill-fp8-d256-window-softcap": lambda: prefill_kernel(True, d=256, cfg=(128, 64, 8, 2),
                                                              WINDOWED=True, SOFTCAP=True),
