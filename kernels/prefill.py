@@ -353,10 +353,10 @@ def _prefill_kernel(
         progs = tl.num_programs(0)
         per_row = n_heads * n_seqs
         n_items = n_tiles * per_row
-        for wave in range(0, tl.cdiv(n_items, progs)):
+        for first in range(0, n_items, progs):  # a wave: items [first, first + progs)
             # boustrophedon: the program that took a wave's heaviest item takes the next
             # wave's lightest, so the causal work evens out (module doc)
-            item = wave * progs + tl.where(wave % 2 == 0, pid, progs - 1 - pid)
+            item = first + tl.where(first // progs % 2 == 0, pid, progs - 1 - pid)
             if item < n_items:
                 _prefill_tile(
                     n_tiles - 1 - item // per_row, item % n_heads, item % per_row // n_heads,

@@ -408,6 +408,114 @@ def test_prefill_paged_equals_contiguous_and_strided_out():
     assert torch.isnan(buf[:, 6:]).all()
 
 
+# ---------------------------------------------------------------- prefill, the Hopper path
+# Forced (path="hopper"): in the interpreter, bulk tensor copies through tensor descriptors and
+# the persistent loop run as plain Python; bf16 and the sm_90 compile are tests_kernels_gpu's.
+# Tiles of 32 queries over 4 persistent programs (the interpreter's num_sms) give many waves.
+
+HOPPER_CASES = [  # (dtype, hq, hkv, d, qlens, ctx, page, config)
+    (torch.float16, 4, 1, 64, [1, 17, 150], [0, 70, 30], 64, (32, 32, 4, 1, 1)),
+    (torch.float16, 8, 2, 128, [100, 33], [200, 0], 128, (32, 64, 4, 1, 1)),
+    (torch.float32, 4, 2, 64, [70, 2, 129], [129, 300, 0], 64, (32, 64, 4, 1, 1)),
+    (torch.float16, 4, 4, 64, [64, 1, 90], [64, 1, 0], 64, (32, 32, 4, 1, 0)),  # no loop
+    (torch.float16, 2, 1, 256, [40, 3], [20, 61], 64, (16, 32, 4, 1, 2)),  # 8 programs
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,qlens,ctx,page,config", HOPPER_CASES)
+def test_prefill_hopper_matches_reference(dtype, hq, hkv, d, qlens, ctx, page, config):
+    """GQA, several sequences, chunks after cached context (lengths ending inside a page,
+    on a tile edge, one token), the LSE; persistent and not."""
+    kv = Paged([n + c for n, c in zip(qlens, ctx)], hkv, d, page, dtype)
+    cu = cu_of(qlens)
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
+    out, lse = run_prefill(q, kv, cu, d**-0.5, path="hopper", config=config)
+    ref_out, ref_lse = prefill_ref(q, kv, cu, d**-0.5)
+    assert_close(out, ref_out, TOL[dtype], f"hopper prefill out {config}")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"hopper prefill lse {config}")
+
+
+def nan_past_the_end(kv: Paged) -> Paged:
+    """``kv`` with every slot past each sequence's end NaN (a freed sequence's leftovers, or
+    never written): the Hopper path's copies bring them in with the diagonal tiles."""
+    bad = Paged.__new__(Paged)
+    bad.__dict__.update(kv.__dict__)
+    bad.k, bad.v = kv.k.clone(), kv.v.clone()
+    for b, n in enumerate(kv.lens):
+        page, off = divmod(n, kv.page)
+        if off:
+            last = kv.block_tables[b, page].long()
+            bad.k[last, off:], bad.v[last, off:] = float("nan"), float("nan")
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_hopper_chunks_and_dead_slots(dtype):
+    """Chunked prefill on the Hopper path equals the whole prompt and the reference, with
+    every slot past the end of the sequence so far NaN."""
+    n, hq, hkv, d, page = 300, 4, 2, 64, 64
+    kv = Paged([n], hkv, d, page, dtype)
+    q = torch.randn(n, hq, d, device=DEVICE).to(dtype)
+    cfg = (32, 64, 4, 1, 1)
+    whole, whole_lse = run_prefill(q, nan_past_the_end(kv), cu_of([n]), 0.125, path="hopper",
+                                   config=cfg)  # fmt: skip
+    parts, lses = [], []
+    for a, b in ((0, 100), (100, 217), (217, 218), (218, n)):
+        chunk = Paged.__new__(Paged)
+        chunk.__dict__.update(kv.__dict__)
+        chunk.lens, chunk.seq_lens = [b], torch.tensor([b], dtype=torch.int32, device=DEVICE)
+        chunk = nan_past_the_end(chunk)
+        o, lse = run_prefill(q[a:b], chunk, cu_of([b - a]), 0.125, path="hopper", config=cfg)
+        parts.append(o)
+        lses.append(lse)
+    ref_out, ref_lse = prefill_ref(q, kv, cu_of([n]), 0.125)
+    assert_close(whole, ref_out, TOL[dtype], "hopper whole prompt out")
+    assert_close(whole_lse, ref_lse, LSE_TOL[dtype], "hopper whole prompt lse")
+    assert_close(torch.cat(parts), ref_out, TOL[dtype], "hopper chunked out")
+    assert_close(torch.cat(lses), ref_lse, LSE_TOL[dtype], "hopper chunked lse")
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 20.0), (75, 0.0), (75, 30.0)])
+def test_prefill_hopper_window_softcap(window, softcap):
+    """Windows and soft-capping share the portable code: right, and no page left of a window
+    is read (those pages and the tokens left of the window in its first page are NaN)."""
+    qlens, ctx = [40, 100, 1], [300, 20, 200]
+    kv = Paged([a + b for a, b in zip(qlens, ctx)], 2, 64, 64, torch.float16)
+    bad = poison_left_of(kv, [max(0, c - window + 1) for c in ctx]) if window else kv
+    cu = cu_of(qlens)
+    q = torch.randn(sum(qlens), 4, 64, device=DEVICE).half()
+    ref_out, ref_lse = prefill_ref(q, kv, cu, 0.125, window=window, softcap=softcap)
+    out, lse = run_prefill(q, bad, cu, 0.125, window=window, softcap=softcap, path="hopper",
+                           config=(32, 32, 4, 1, 1))  # fmt: skip
+    assert_close(out, ref_out, TOL[torch.float16], f"hopper window {window} cap {softcap}")
+    assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"hopper lse {window} cap {softcap}")
+
+
+@pytest.mark.parametrize(
+    "d, page, kw, message",
+    [(96, 64, {}, "head dim 96"), (64, 32, {"config": (32, 64, 4, 1)}, "page 32 < BLOCK_N 64"),
+     (64, 64, {"path": "fast"}, "path must be")],
+)  # fmt: skip
+def test_prefill_hopper_refuses_what_it_cannot_run(d, page, kw, message):
+    kv = Paged([50], 1, d, page, torch.float16)
+    q = torch.randn(50, 2, d, device=DEVICE).half()
+    with pytest.raises(ValueError, match=message):
+        run_prefill(q, kv, cu_of([50]), 0.125, **{"path": "hopper", **kw})
+
+
+def test_prefill_hopper_refuses_fp8_and_auto_stays_portable():
+    from kernels.kv_quant import FP8_KV_DTYPE, kv_scale_shape
+
+    k = torch.zeros(4, 64, 1, 64, device=DEVICE, dtype=FP8_KV_DTYPE)
+    sc = torch.ones(kv_scale_shape(4, 64, 1), device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(10, 2, 64, device=DEVICE).half()
+    args = (q, k, k, cu_of([10]), torch.tensor([10], dtype=torch.int32, device=DEVICE),
+            torch.arange(4, dtype=torch.int32, device=DEVICE)[None], 0.125)  # fmt: skip
+    with pytest.raises(ValueError, match="fp8"):
+        prefill_attention(*args, k_scale=sc, v_scale=sc, path="hopper")
+    prefill_attention(*args, k_scale=sc, v_scale=sc)  # auto: the portable path
+
+
 # ---------------------------------------------------------------- sliding windows, soft-capping
 # Windows against the reference's explicit math in float64 (a query at p sees keys
 # p - window < j <= p; soft-capped scores softcap * tanh(s / softcap)).
