@@ -73,6 +73,13 @@ _V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals
 
 
 @triton.jit
+def _tile_row(bt, start, hi, PAGE: tl.constexpr):
+    """TMA: the row of the ``[N * PAGE, Hkv * D]`` pool view where the KV tile at ``start``
+    begins (0 from ``hi`` on: no block-table entry past the loop is read)."""
+    return tl.load(bt + start // PAGE, mask=start < hi, other=0) * PAGE + start % PAGE
+
+
+@triton.jit
 def _prefill_inner(
     acc,  # [BM, BD] fp32
     l_i,  # [BM] fp32
@@ -117,13 +124,19 @@ def _prefill_inner(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    if TMA:
+        next_row = _tile_row(bt, lo, hi, PAGE)
     for start in range(lo, hi, BLOCK_N):
         kv = start + offs_n  # [BN]
         live = kv < seq_len
         if MASKED and WINDOWED:
             live = live & (kv >= win_lo)
         if TMA:  # one page's run of BLOCK_N rows: two bulk copies, no per-token addresses
-            row = tl.load(bt + start // PAGE) * PAGE + start % PAGE
+            # The block-table entry comes a tile ahead: with the copy's address loaded in the
+            # same iteration, Triton 3.6's pipeliner keeps one copy in flight (2 buffers at any
+            # num_stages); from the previous iteration's load, num_stages - 1 (sm90_compile).
+            row = next_row
+            next_row = _tile_row(bt, start + BLOCK_N, hi, PAGE)
             k = K.load([row, head_off])  # [BN, BD]
             v = V.load([row, head_off])
             if MASKED:  # unmaskable copies: a dead slot may hold NaN, and 0 * NaN is NaN
@@ -399,17 +412,24 @@ HOPPER_MIN_PAGE = 64  # "auto" takes the Hopper path from here: KV tiles of >= 6
 HOPPER_HEAD_DIMS = (64, 128, 256)  # a descriptor block is [BLOCK_N, D]: a power of two
 
 
+HOPPER_SMEM = 225 << 10  # H100: 227 KiB of shared memory per block, less barriers and scratch
+
+
 def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs_per_sm) of the Hopper path. Not yet
-    measured (no GPU in the session that built it): the portable sweep's winners with the KV
-    tile cut to the page (a tile is one page's run), one extra stage when it is cut (the copies
-    take shared memory only), and one persistent program per SM (8 warps at ~200 registers use
-    most of an SM's register file anyway). ``python -m kernels.bench --sweep hopper`` times the
-    alternatives."""
-    bm, bn, warps, stages = prefill_config(head_dim, dtype)
-    if bn > page:
-        bn, stages = page, stages + 1
-    return bm, bn, warps, stages, 1
+    measured (no GPU in the session that built it): the portable sweep's tiles with the KV
+    tile cut to the page (a tile is one page's run), as many copy stages as shared memory holds
+    beside the query tile (up to 4: at d128, (128, 128) gets 3 stages in 230,416 bytes and
+    (128, 64) 4 in 164,888, sm90_compile), one persistent program per SM (8 warps at ~240
+    registers fill an SM's register file). ``python -m kernels.bench --sweep hopper`` times
+    the alternatives."""
+    if dtype == torch.float32:
+        return 32, min(32, page), 4, 1, 1  # ieee fp32 dots: small tiles (tests, not speed)
+    bm, bn, warps, _ = prefill_config(head_dim, dtype)
+    bn = min(bn, page)
+    size = dtype.itemsize
+    stages = (HOPPER_SMEM - bm * head_dim * size) // (2 * bn * head_dim * size)
+    return bm, bn, warps, max(1, min(stages, 4)), 1
 
 
 def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fp8: bool,

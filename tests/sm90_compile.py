@@ -5,8 +5,9 @@ The interpreter runs a kernel's Python, not its compilation: a GPU-only error (a
 global read in a jit function, a conversion the backend lacks) or a lost optimization (loads
 that are not pipelined) shows only here or on the GPU. Run in a process of its own, without
 ``TRITON_INTERPRET``: the kernels must be ``JITFunction`` objects. Each summary gives the shared
-memory, the number of ``cp.async`` copies in the PTX, and the loads of the main loop that
-stayed synchronous (``tt.load`` in the TTGIR's ``scf.for`` body)."""
+memory, registers and stack (spills), the number of ``cp.async`` copies, bulk tensor copies
+(TMA) and warpgroup MMAs (``wgmma``) in the PTX, and the loads of the innermost loops that
+stayed synchronous (``tt.load`` of a tensor in the TTGIR's innermost ``scf.for`` bodies)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -38,9 +40,10 @@ def _compile(jit, pointers: dict, consts: dict, **options):
     for i, name in enumerate(jit.arg_names):
         if name in consts:
             sig[name] = "constexpr"
-        elif name in pointers:
+        elif name in pointers:  # pointers (16-byte aligned) or tensor descriptors
             sig[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if sig[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in ("qk_scale", "cap_in", "cap_out", "eps") else "i32"
             if name not in UNALIGNED and sig[name] == "i32":
@@ -67,14 +70,24 @@ def decode_kernel(fp8: bool, dt: str = "bf16", d: int = 128, tiles=(64, 4, 4), *
                     num_stages=tiles[2])  # fmt: skip
 
 
-def prefill_kernel(fp8: bool, dt: str = "bf16", d: int = 128, cfg=(128, 128, 8, 2), **flags):
+def prefill_kernel(fp8: bool, dt: str = "bf16", d: int = 128, cfg=(128, 128, 8, 2), _types=None,
+                   **flags):  # fmt: skip
     ptrs = {"Q": f"*{dt}", **_caches(fp8, dt), "CuSeqlensQ": "*i32", "SeqLens": "*i32",
-            "BlockTables": "*i32", "Out": f"*{dt}", "Lse": "*fp32"}  # fmt: skip
+            "BlockTables": "*i32", "Out": f"*{dt}", "Lse": "*fp32", **(_types or {})}  # fmt: skip
     consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, STORE_LSE=True, WINDOWED=False, SOFTCAP=False,
                   FP8=fp8, TMA=False, PERSISTENT=False, BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_D=d,
                   DOT_PRECISION="ieee" if dt == "fp32" else "tf32")  # fmt: skip
     consts.update(flags)
     return _compile(prefill._prefill_kernel, ptrs, consts, num_warps=cfg[2], num_stages=cfg[3])
+
+
+def hopper_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt="bf16"):
+    """The Hopper path (``prefill_attention(path="hopper")``): K/V as tensor descriptors of
+    ``[BLOCK_N, D]`` blocks, the persistent loop; ``cfg`` by default ``hopper_config``'s."""
+    cfg = cfg or prefill.hopper_config(d, torch.bfloat16, page)[:4]
+    desc = f"tensordesc<{dt}[{cfg[1]}, {d}]>"
+    return prefill_kernel(False, dt, d, cfg, PAGE=page, TMA=True, PERSISTENT=True,
+                          _types={"K": desc, "V": desc})  # fmt: skip
 
 
 def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
@@ -105,8 +118,11 @@ def resources(kernel) -> dict:
 
 def summary(kernel) -> dict:
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    loop = ttgir[ttgir.find("scf.for") :]
-    loop = loop[: loop.find("scf.yield")] if "scf.for" in ttgir else ""
+    # the innermost loops (the KV loops, not the Hopper path's persistent loop around them)
+    loop = ""
+    for m in re.finditer("scf.for", ttgir):
+        body = ttgir[m.end() : ttgir.find("scf.yield", m.end())]
+        loop += "" if "scf.for" in body else body
     return {
         "shared": kernel.metadata.shared,
         **resources(kernel),
@@ -115,6 +131,13 @@ def summary(kernel) -> dict:
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
         "loop_loads": re.findall(r"tt\.load [^:]*: (tensor<[^>]*>)", loop),
+        # tiles in flight per multi-buffered shared allocation (the pipeline's depth)
+        "buffers": sorted(
+            {
+                int(n)
+                for n in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
+            }
+        ),
     }
 
 
@@ -127,9 +150,15 @@ VARIANTS = {
     "prefill-bf16": lambda: prefill_kernel(False),
     "prefill-bf16-d64": lambda: prefill_kernel(False, d=64, cfg=(128, 64, 8, 3)),
     "prefill-bf16-d256": lambda: prefill_kernel(False, d=256, cfg=(128, 64, 8, 2)),
+    "prefill-bf16-page128": lambda: prefill_kernel(False, PAGE=128),
     "prefill-fp8": lambda: prefill_kernel(True),
     "prefill-fp8-d256-window-softcap": lambda: prefill_kernel(True, d=256, cfg=(128, 64, 8, 2),
                                                              WINDOWED=True, SOFTCAP=True),
+    "prefill-hopper-d128-page128": lambda: hopper_prefill_kernel(),
+    "prefill-hopper-d128-page128-2stages": lambda: hopper_prefill_kernel(cfg=(128, 128, 8, 2)),
+    "prefill-hopper-d128-page64": lambda: hopper_prefill_kernel(page=64),
+    "prefill-hopper-d64": lambda: hopper_prefill_kernel(64, 64),
+    "prefill-hopper-d256": lambda: hopper_prefill_kernel(256, 64),
     "rope-fp8": lambda: rope_kernel(True),
 }  # fmt: skip
 
