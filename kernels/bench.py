@@ -7,8 +7,10 @@ several input sets (KV pools, shuffled block tables, queries) totalling >= 256 M
 50 MB L2 does not serve the KV; the median over replays divided by the calls is reported.
 Peers: torch SDPA on contiguous KV (enable_gqa) and, if importable, xformers' triton_splitk
 on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA's
-FlashAttention-2 and cuDNN backends. The device-to-device copy bandwidth is measured in the
-same run and is the 100% of the decode table's % columns (GB/s: KV bytes read per second).
+FlashAttention-2 and cuDNN backends: ours portable at pages 16 and 128 and the Hopper path
+(``path="hopper"``: TMA copies, persistent programs) at pages 64 and 128. The device-to-device
+copy bandwidth is measured in the same run and is the 100% of the decode table's % columns
+(GB/s: KV bytes read per second).
 ``--sweep`` times tuning variants instead. ``--kv-dtype fp8`` runs our decode and prefill over
 an fp8 cache (e4m3 pages and their bf16 scales, ``kernels.kv_quant``) instead of bf16, in the
 grid, the sweeps and the window table; its GB/s and % count the bytes it reads (fp8 values and
@@ -391,19 +393,29 @@ def decode_grid(batches, contexts, copy_gbs, have_xf, kv="bf16") -> list[dict]:
     return rows
 
 
+PREFILL_COLUMNS = (  # name, page, path: the portable kernel and the Hopper path per page
+    ("ours_page16", 16, "portable"),
+    ("ours_page128", 128, "portable"),
+    ("hopper_page64", 64, "hopper"),
+    ("hopper_page128", 128, "hopper"),
+)
+
+
 def prefill_table(sizes, kv="bf16") -> list[dict]:
+    """Per prompt length: ours per (page, path) of PREFILL_COLUMNS, SDPA's backends. The
+    Hopper path takes bf16 caches only (``hopper_refusal``): its columns stay empty with fp8."""
     rows = []
     for n in sizes:
         r = {"tokens": n, "kv_dtype": kv}
-        for name, fn, arg in (
-            ("ours_page16", time_prefill_ours, 16),
-            ("ours_page128", time_prefill_ours, 128),
-            ("sdpa_flash", time_prefill_sdpa, "flash"),
-            ("sdpa_cudnn", time_prefill_sdpa, "cudnn"),
-        ):
-            us = attempt(fn, n, arg, kv=kv) if name.startswith("ours") else attempt(fn, n, arg)
+        for name, page, path in PREFILL_COLUMNS:
+            hopper_fp8 = path == "hopper" and kv == "fp8"
+            us = None if hopper_fp8 else attempt(time_prefill_ours, n, page, kv=kv, path=path)
             r[f"{name}_us"] = us
             r[f"{name}_tflops"] = prefill_flops(n) / us / 1e6 if us else None
+        for backend in ("flash", "cudnn"):
+            us = attempt(time_prefill_sdpa, n, backend)
+            r[f"sdpa_{backend}_us"] = us
+            r[f"sdpa_{backend}_tflops"] = prefill_flops(n) / us / 1e6 if us else None
         rows.append(r)
         print("  " + json.dumps(r), flush=True)
     return rows
@@ -475,7 +487,19 @@ PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
 }  # fmt: skip
 SWEEP_POINTS = [(1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384),
                 (32, 4096), (32, 131072)]  # fmt: skip
-SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill")
+HOPPER_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages, programs_per_sm)]
+    # programs_per_sm 0: a plain grid (one program per work item, the hardware's order)
+    128: [(128, 128, 8, 3, 1), (128, 128, 8, 2, 1), (128, 128, 8, 3, 0), (128, 64, 8, 4, 1),
+          (128, 64, 8, 3, 1), (128, 64, 8, 2, 1), (128, 64, 8, 4, 0), (64, 64, 4, 3, 2),
+          (64, 128, 4, 2, 1)],
+    64: [(128, 64, 8, 4, 1), (128, 128, 8, 4, 1), (128, 64, 4, 4, 1), (128, 64, 8, 4, 0),
+         (64, 64, 4, 4, 2)],
+    256: [(128, 64, 8, 2, 1), (128, 64, 8, 2, 0), (64, 64, 4, 2, 1), (64, 64, 4, 3, 1),
+          (128, 32, 8, 3, 1)],
+}  # fmt: skip
+HOPPER_SWEEP_POINTS = [(16384, 128, 128), (16384, 128, 64), (4096, 128, 128), (4096, 128, 64),
+                       (4096, 64, 64), (4096, 256, 64)]  # (tokens, head dim, page)  # fmt: skip
+SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill", "hopper")
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -489,9 +513,11 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
     sequence (a head's rows contiguous within a page: the layout of a head-major cache) in
     pages of 16 or 128 tokens or wholly contiguous (SDPA's layout); splits: split counts (at
     most two waves of 3 programs per SM); page: page sizes; prefill: tile configs (TFLOP/s in
-    "tflops"). ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's
-    dtype in every variant. Variants that lost (K/V load hints, loop variants, the combine
-    kernel): docs/benchmarks/kernels-notes.md.
+    "tflops"); hopper: the Hopper prefill path's tile configs and persistent programs per SM
+    (``HOPPER_CONFIGS``) per (tokens, head dim, page), the portable kernel's default beside
+    them (variant "portable"). ``points``: (batch, context) pairs for the decode sweeps.
+    ``kv``: our cache's dtype in every variant. Variants that lost (K/V load hints, loop
+    variants, the combine kernel): docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
 
@@ -544,9 +570,18 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
             [(16384, 128), (4096, 128), (4096, 64), (4096, 256)] if not SMOKE else [(256, 64)]
         ):
             for cfg in PREFILL_CONFIGS[d]:
-                us = attempt(time_prefill_ours, n, 16, d, config=cfg, kv=kv)
+                us = attempt(time_prefill_ours, n, 16, d, config=cfg, kv=kv, path="portable")
                 tf = prefill_flops(n) * d / D / us / 1e6 if us else None
                 rec("prefill", 1, n, (d, *cfg), us, tflops=tf)
+    if "hopper" in which:
+        for n, d, page in HOPPER_SWEEP_POINTS if not SMOKE else [(256, 64, 64)]:
+            variants = [("portable", {"path": "portable"})]
+            variants += [(cfg, {"path": "hopper", "config": cfg}) for cfg in HOPPER_CONFIGS[d]
+                         if cfg[1] <= page]  # fmt: skip
+            for name, kw in variants:
+                us = attempt(time_prefill_ours, n, page, d, kv=kv, **kw)
+                tf = prefill_flops(n) * d / D / us / 1e6 if us else None
+                rec("hopper", 1, n, (d, page, name), us, tflops=tf)
     return res
 
 
@@ -580,12 +615,13 @@ def print_tables(copy_gbs, dec, pre, kv="bf16"):
             + " | ".join(cells)
             + " |"
         )
-    print("\n| tokens | ours p16 µs | TFLOP/s | ours p128 µs | TFLOP/s | SDPA FA2 µs | TFLOP/s "
-          "| SDPA cuDNN µs | TFLOP/s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    keys = [name for name, _, _ in PREFILL_COLUMNS] + ["sdpa_flash", "sdpa_cudnn"]
+    heads = [f"{path} p{page}" for _, page, path in PREFILL_COLUMNS] + ["SDPA FA2", "SDPA cuDNN"]
+    print("\n| tokens | " + " | ".join(f"{h} µs | TFLOP/s" for h in heads) + " |")
+    print("|---" * (1 + 2 * len(keys)) + "|")
     for r in pre:
         cells = []
-        for k in ("ours_page16", "ours_page128", "sdpa_flash", "sdpa_cudnn"):
+        for k in keys:
             cells += [fmt(r[f"{k}_us"], ",.0f"), fmt(r[f"{k}_tflops"], ".0f")]
         print(f"| {r['tokens'] // 1024}K | " + " | ".join(cells) + " |")
 

@@ -127,3 +127,27 @@ def test_fp8_kv_grid_counts_the_bytes_it_reads(tmp_path, capsys):
     assert "our KV cache: fp8" in capsys.readouterr().out
     pools = bench.kv_pools(3, 16, 2, 64, "fp8")
     assert pools["k_cache"].dtype == torch.float8_e4m3fn and pools["v_scale"].shape == (3, 2, 16)
+
+
+def test_prefill_table_times_both_paths_per_page(tmp_path, capsys):
+    """The prefill table: ours portable (pages 16, 128) and the Hopper path (pages 64, 128) beside
+    SDPA's backends, in the JSON and the table."""
+    from kernels import bench
+
+    out = tmp_path / "prefill.json"
+    bench.main(["--batches", "1", "--contexts", "256", "--prefill", "256", "--json", str(out)])
+    (pre,) = json.loads(out.read_text())["prefill"]
+    for name, _, _ in bench.PREFILL_COLUMNS:
+        assert pre[f"{name}_us"] > 0 and pre[f"{name}_tflops"] > 0, name
+    assert "| hopper p64 µs | TFLOP/s | hopper p128 µs |" in capsys.readouterr().out
+
+
+def test_hopper_sweep_times_every_config_that_fits_the_page(tmp_path):
+    from kernels import bench
+
+    out = tmp_path / "sweep.json"
+    bench.main(["--sweep", "hopper", "--json", str(out)])
+    res = json.loads(out.read_text())["sweep"]
+    want = ["portable"] + [list(c) for c in bench.HOPPER_CONFIGS[64] if c[1] <= 64]
+    assert [r["variant"][2] for r in res] == want
+    assert all(r["us"] > 0 and r["variant"][:2] == [64, 64] for r in res)
