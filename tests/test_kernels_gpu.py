@@ -371,3 +371,159 @@ def test_decode_cuda_graph_windowed_and_global_layers():
             ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, d**-0.5,
                                              **kw)  # fmt: skip
             assert_close(o, ref, BF16_TOL, f"graph replay {kw} {lens}")
+
+
+# ---- prefill, the Hopper path (TMA copies, persistent programs; issue 17) --------------------
+
+
+def nan_tails(k, v, bt, lens, page):
+    """Every slot past each sequence's end in its last page NaN (leftovers of a freed sequence,
+    or never written): the Hopper path's unmaskable copies bring them in."""
+    for b, n in enumerate(lens):
+        last, off = divmod(n, page)
+        if off:
+            k[bt[b, last].long(), off:], v[bt[b, last].long(), off:] = float("nan"), float("nan")
+
+
+def cu_of(qlens):
+    return torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")  # fmt: skip
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("per_sm", [1, 0])
+def test_prefill_hopper_bf16(d, page, per_sm):
+    """Forced Hopper path, its default tiles, persistent (1 program per SM) and not (0): GQA,
+    five sequences with cached context, one-token chunks, lengths off every edge, NaN past
+    each end; output and LSE against the reference."""
+    from kernels.prefill import hopper_config, prefill_attention
+
+    hq, hkv = (32, 8) if d == 128 else (16, 4)
+    qlens, ctx = [1, 17, 2000, 700, 129], [0, 100, 0, 3000, 64]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    k, v, bt, sl = paged(lens, hkv, d, page)
+    ref_k, ref_v = k.float(), v.float()
+    nan_tails(k, v, bt, lens, page)
+    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of(qlens)
+    cfg = (*hopper_config(d, torch.bfloat16, page)[:4], per_sm)
+    out = torch.full_like(q, float("nan"))
+    out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens), out=out,
+                                 return_lse=True, config=cfg, path="hopper")  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.float(), ref_k, ref_v, cu, sl, bt, d**-0.5,
+                                               return_lse=True)  # fmt: skip
+    assert_close(out, ref, BF16_TOL, f"hopper prefill d={d} page={page} {cfg}")
+    assert_close(lse, ref_lse, LSE_TOL, f"hopper prefill lse d={d} page={page} {cfg}")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_prefill_hopper_sweep_configs_are_right(d):
+    """Every config ``kernels.bench --sweep hopper`` times compiles (shared memory included)
+    and computes the right thing, so the sweep's numbers are of working kernels."""
+    from kernels.bench import HOPPER_CONFIGS
+    from kernels.prefill import prefill_attention
+
+    qlens, ctx = [1000, 300], [0, 1500]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    k, v, bt, sl = paged(lens, 8, d, 128)
+    q = torch.randn(sum(qlens), 32, d, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of(qlens)
+    ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt, d**-0.5)
+    for cfg in HOPPER_CONFIGS[d]:
+        out = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=1000, config=cfg,
+                                path="hopper")  # fmt: skip
+        assert_close(out, ref, BF16_TOL, f"hopper d={d} {cfg}")
+
+
+def test_prefill_auto_takes_the_hopper_path_on_sm90():
+    """``path="auto"``: on sm_90 the Hopper path from 64-token pages on (the same bits as
+    ``path="hopper"``), the portable kernel on 16-token pages; elsewhere the portable one."""
+    from kernels.prefill import prefill_attention
+
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    for page in (16, 64, 128):
+        k, v, bt, sl = paged([3000], 8, 128, page)
+        q = torch.randn(3000, 32, 128, device="cuda", dtype=torch.bfloat16)
+        cu = cu_of([3000])
+        auto = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=3000)
+        picked = "hopper" if hopper and page >= 64 else "portable"
+        same = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=3000, path=picked)
+        assert torch.equal(auto, same), (page, picked)
+
+
+def test_prefill_hopper_llama3_8b_16k_chunked():
+    """A 16K prompt of Llama-3-8B heads on 128-token pages at once, and as 3 chunks over the
+    cached context (the engine's chunked prefill), on the Hopper path."""
+    from kernels.prefill import prefill_attention
+
+    n, hq, hkv, d = 16384, 32, 8, 128
+    k, v, bt, sl = paged([n], hkv, d, 128)
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    whole = prefill_attention(q, k, v, cu_of([n]), sl, bt, d**-0.5, max_query_len=n,
+                              path="hopper")  # fmt: skip
+    ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu_of([n]), sl, bt,
+                                      d**-0.5)  # fmt: skip
+    assert_close(whole, ref, BF16_TOL, "hopper prefill 16K")
+    parts = []
+    for a, b in ((0, 5000), (5000, 5001), (5001, n)):
+        sl_c = torch.tensor([b], dtype=torch.int32, device="cuda")
+        parts.append(prefill_attention(q[a:b], k, v, cu_of([b - a]), sl_c, bt, d**-0.5,
+                                       max_query_len=b - a, path="hopper"))  # fmt: skip
+    assert_close(torch.cat(parts), whole, 1e-2, "hopper chunked vs whole")
+
+
+def test_prefill_hopper_cuda_graph_replay():
+    """The descriptors travel by value in the launch: one capture, replays with new block
+    tables, lengths and queries, each right."""
+    from kernels.prefill import prefill_attention
+
+    bsz, n, hq, hkv, d, page = 2, 1024, 32, 8, 128, 128
+    k, v, _, _ = paged([3 * n] * bsz, hkv, d, page)  # room for 3n tokens a sequence
+    q = torch.randn(bsz * n, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of([n] * bsz)
+    bt = torch.zeros(bsz, 3 * n // page, dtype=torch.int32, device="cuda")
+    sl = torch.full((bsz,), n, dtype=torch.int32, device="cuda")
+
+    def call():
+        return prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, path="hopper")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for ctx in (0, 700, 2048):  # cached tokens before each chunk of n
+        bt.copy_(torch.randperm(k.shape[0], device="cuda")[: bt.numel()].view_as(bt))
+        sl.fill_(ctx + n)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt, d**-0.5)
+        assert_close(out, ref, BF16_TOL, f"hopper graph replay ctx={ctx}")
+
+
+@pytest.mark.parametrize("d,softcap", [(128, 0.0), (256, 50.0)])
+def test_prefill_hopper_window_softcap_bf16(d, softcap):
+    """Windows and soft-capping on the Hopper path (64-token pages): a 2K chunk at the end of a
+    128K context with a 4K window, one crossing the window's edge, a prompt from scratch; the
+    pages left of each chunk's first window NaN."""
+    from kernels.prefill import prefill_attention
+
+    hq, hkv, window = 16, 8, 4096
+    qlens, ctx = [2048, 1, 3000, 5000], [131072 - 2048, 5000, 2000, 0]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    k, v, bt, sl = windowed_paged(lens, [max(0, c - window + 1) for c in ctx], hkv, d, 64)
+    cu = cu_of(qlens)
+    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens),
+                                 return_lse=True, window=window, softcap=softcap,
+                                 path="hopper")  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt,
+                                               d**-0.5, return_lse=True, window=window,
+                                               softcap=softcap)  # fmt: skip
+    assert_close(out, ref, BF16_TOL, f"hopper window d={d} cap {softcap}")
+    assert_close(lse, ref_lse, LSE_TOL, f"hopper window lse d={d} cap {softcap}")
