@@ -410,8 +410,6 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 PATHS = ("auto", "portable", "hopper")
 HOPPER_MIN_PAGE = 64  # "auto" takes the Hopper path from here: KV tiles of >= 64 keys
 HOPPER_HEAD_DIMS = (64, 128, 256)  # a descriptor block is [BLOCK_N, D]: a power of two
-
-
 HOPPER_SMEM = 225 << 10  # H100: 227 KiB of shared memory per block, less barriers and scratch
 
 
@@ -420,9 +418,9 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     measured (no GPU in the session that built it): the portable sweep's tiles with the KV
     tile cut to the page (a tile is one page's run), as many copy stages as shared memory holds
     beside the query tile (up to 4: at d128, (128, 128) gets 3 stages in 230,416 bytes and
-    (128, 64) 4 in 164,888, sm90_compile), one persistent program per SM (8 warps at ~240
-    registers fill an SM's register file). ``python -m kernels.bench --sweep hopper`` times
-    the alternatives."""
+    (128, 64) 4 in 164,888, sm90_compile), one persistent program per SM (at d128 its 8 warps
+    of 207-240 registers fill most of the register file; at d64, 128 registers and 83 KB,
+    two would fit). ``python -m kernels.bench --sweep hopper`` times the alternatives."""
     if dtype == torch.float32:
         return 32, min(32, page), 4, 1, 1  # ieee fp32 dots: small tiles (tests, not speed)
     bm, bn, warps, _ = prefill_config(head_dim, dtype)
@@ -436,7 +434,7 @@ def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    block_n: int) -> str | None:  # fmt: skip
     """Why the Hopper path cannot take these inputs with KV tiles of ``block_n`` keys; None if
     it can (on an sm_90+ GPU, or in the interpreter)."""
-    n, page, hkv, d = k_cache.shape
+    _, page, _, d = k_cache.shape
     if TensorDescriptor is None:
         return "this Triton has no tensor descriptors (triton.tools.tensor_descriptor)"
     if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
@@ -447,13 +445,14 @@ def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return f"head dim {d}: the Hopper path takes {HOPPER_HEAD_DIMS}"
     if page < block_n:
         return f"page {page} < BLOCK_N {block_n}: a KV tile must lie in one page"
+    if block_n < 16:
+        return f"BLOCK_N {block_n}: P @ V needs at least 16 keys a tile"
     if k_cache.stride(2) != d or k_cache.stride(0) != page * k_cache.stride(1):
         return "the pools must be rows of [N * PAGE, Hkv * D] (pages of whole token rows)"
     if (k_cache.stride(1) * k_cache.element_size()) % 16 or any(
         x.data_ptr() % 16 for x in (k_cache, v_cache)
     ):
         return "bulk tensor copies need 16-byte aligned pools and rows"
-    del n, hkv
     return None
 
 
@@ -465,9 +464,9 @@ def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) 
 
 
 def _pick_path(path: str, q, k_cache, v_cache, fp8: bool, config) -> tuple[bool, tuple]:
-    """(Hopper path?, its 5-entry config): ``"auto"`` takes the Hopper path on sm_90 with pages of
-    >= HOPPER_MIN_PAGE tokens when the inputs allow it; ``"hopper"`` raises ValueError if they
-    do not."""
+    """(whether the Hopper path runs, the 5-entry config; programs_per_sm 0 on the portable
+    path): ``"auto"`` takes the Hopper path on sm_90 with pages of >= HOPPER_MIN_PAGE tokens
+    when the inputs allow it; ``"hopper"`` raises ValueError if they do not."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     d, page = q.shape[2], k_cache.shape[1]
