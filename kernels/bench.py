@@ -7,14 +7,14 @@ several input sets (KV pools, shuffled block tables, queries) totalling >= 256 M
 50 MB L2 does not serve the KV; the median over replays divided by the calls is reported.
 Peers: torch SDPA on contiguous KV (enable_gqa) and, if importable, xformers' triton_splitk
 on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA's
-FlashAttention-2 and cuDNN backends: ours portable at pages 16 and 128 and the Hopper path
-(``path="hopper"``: TMA copies, persistent programs) at pages 64 and 128. The device-to-device
-copy bandwidth is measured in the same run and is the 100% of the decode table's % columns
-(GB/s: KV bytes read per second).
-``--sweep`` times tuning variants instead. ``--kv-dtype fp8`` runs our decode and prefill over
-an fp8 cache (e4m3 pages and their bf16 scales, ``kernels.kv_quant``) instead of bf16, in the
-grid, the sweeps and the window table; its GB/s and % count the bytes it reads (fp8 values and
-scales), the peers' their bf16 ones.
+FlashAttention-2 and cuDNN backends: ours portable at pages 16, 64 and 128 and the Hopper path
+(``path="hopper"``: TMA copies, persistent programs) at pages 64 and 128 (``--batches ""
+--prefill 4096,16384``: the prefill table alone). The device-to-device copy bandwidth is
+measured in the same run and is the 100% of the decode table's % columns (GB/s: KV bytes read
+per second). ``--sweep`` times tuning variants instead. ``--kv-dtype fp8`` runs our decode and
+prefill over an fp8 cache (e4m3 pages and their bf16 scales, ``kernels.kv_quant``) instead of
+bf16, in the grid, the sweeps and the window table; its GB/s and % count the bytes it reads
+(fp8 values and scales), the peers' their bf16 ones.
 
 ``--window W`` times sliding windows instead (issue 14's target: at 128K context, a layer with
 a 4,096-token window within 10% of the same kernel at a 4K context). Decode, per head shape
@@ -395,6 +395,7 @@ def decode_grid(batches, contexts, copy_gbs, have_xf, kv="bf16") -> list[dict]:
 
 PREFILL_COLUMNS = (  # name, page, path: the portable kernel and the Hopper path per page
     ("ours_page16", 16, "portable"),
+    ("ours_page64", 64, "portable"),
     ("ours_page128", 128, "portable"),
     ("hopper_page64", 64, "hopper"),
     ("hopper_page128", 128, "hopper"),
@@ -686,8 +687,8 @@ def main(argv=None) -> None:
             args.kv_dtype,
         )  # fmt: skip
     else:
-        batches = [int(x) for x in args.batches.split(",")]
-        contexts = [int(x) for x in args.contexts.split(",")]
+        batches = [int(x) for x in args.batches.split(",") if x]  # "": no decode grid
+        contexts = [int(x) for x in args.contexts.split(",") if x]
         result["decode"] = decode_grid(batches, contexts, copy_gbs, have_xf, args.kv_dtype)
         result["prefill"] = prefill_table([int(x) for x in args.prefill.split(",") if x],
                                           args.kv_dtype)  # fmt: skip

@@ -130,13 +130,15 @@ def test_fp8_kv_grid_counts_the_bytes_it_reads(tmp_path, capsys):
 
 
 def test_prefill_table_times_both_paths_per_page(tmp_path, capsys):
-    """The prefill table: ours portable (pages 16, 128) and the Hopper path (pages 64, 128) beside
-    SDPA's backends, in the JSON and the table."""
+    """The prefill table alone (``--batches ""``): ours portable (pages 16, 64, 128) and the
+    Hopper path (pages 64, 128) beside SDPA's backends, in the JSON and the table."""
     from kernels import bench
 
     out = tmp_path / "prefill.json"
-    bench.main(["--batches", "1", "--contexts", "256", "--prefill", "256", "--json", str(out)])
-    (pre,) = json.loads(out.read_text())["prefill"]
+    bench.main(["--batches", "", "--prefill", "256", "--json", str(out)])  # prefill only
+    res = json.loads(out.read_text())
+    (pre,) = res["prefill"]
+    assert res["decode"] == []
     for name, _, _ in bench.PREFILL_COLUMNS:
         assert pre[f"{name}_us"] > 0 and pre[f"{name}_tflops"] > 0, name
     assert "| hopper p64 µs | TFLOP/s | hopper p128 µs |" in capsys.readouterr().out
