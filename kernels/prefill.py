@@ -35,8 +35,9 @@ bulk tensor copies (``cp.async.bulk.tensor``) through host-built descriptors ove
 viewed as ``[N * PAGE, Hkv * D]``; a tile is one page's run of ``BLOCK_N`` rows (``PAGE >=
 BLOCK_N``), at row ``block_table[page] * PAGE + offset`` and column ``kv_head * D``, so no
 per-token address math or per-thread copies are left in the loop. The copies cannot be masked:
-a tile on the diagonal may bring slots past the sequence's end (anything, NaN included), so
-there its scores are masked as always and its V rows zeroed before P @ V. ``PERSISTENT``: one
+a tile on the diagonal (or a window's left edge) may bring slots past the sequence's end (or
+left of the window: anything, NaN included), so in those tiles the scores are masked as always
+and the dead V rows zeroed before P @ V. ``PERSISTENT``: one
 program per SM (``programs_per_sm``) loops over the work items (query tile, head, sequence),
 heaviest tiles first, dealt out boustrophedon (program p takes item p of even waves and item
 P - 1 - p of odd ones) so that every program gets about the same number of causal KV tiles
@@ -61,12 +62,12 @@ from kernels.common import (
     softcap_factors,
     softcap_log2,
 )
+from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them only the portable path runs
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
-from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
 
 _LOG2E = 1.4426950408889634
 _V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals only
