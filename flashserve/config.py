@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_quant import FP8_KV_DTYPE
+from kernels.prefill import PATHS as PREFILL_PATHS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -55,6 +56,11 @@ class EngineConfig:
     # chain the decode layer's Triton kernels with programmatic dependent launch (each launched
     # early, waiting in-kernel for the one before it; sm_90+ only); None: on with triton
     pdl_chain: bool | None = None
+    # the prefill kernel's path (kernels.prefill.PATHS): portable (FlashAttention-2, every
+    # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens,
+    # bf16/fp16 caches) or auto (hopper where it can run). Portable by default until the
+    # Hopper path has been timed on the GPU (docs/benchmarks/kernels.md)
+    prefill_path: str = "portable"
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt
     enable_prefix_caching: bool = True
@@ -89,6 +95,16 @@ class EngineConfig:
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":
             raise ValueError("pdl_chain needs the triton attention backend")
+        if self.prefill_path not in PREFILL_PATHS:
+            raise ValueError(f"prefill_path must be one of {PREFILL_PATHS}, "
+                             f"got {self.prefill_path!r}")  # fmt: skip
+        if self.prefill_path == "hopper":  # what auto would quietly route to the portable path
+            if self.attention_backend != "triton" or not self.device.startswith("cuda"):
+                raise ValueError("prefill_path hopper needs the triton backend on a CUDA GPU")
+            if torch.cuda.get_device_capability(self.device)[0] < 9:
+                raise ValueError("prefill_path hopper needs an sm_90 GPU or newer (TMA)")
+            if self.kv_cache_dtype == "fp8":
+                raise ValueError("prefill_path hopper takes bf16/fp16 KV caches, not fp8")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:

@@ -504,7 +504,7 @@ def prefill_attention(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    path: str = "auto",
+    path: str = "portable",
 ):
     """Causal attention of each chunk over its cached context plus itself (see module doc).
 
@@ -512,9 +512,10 @@ def prefill_attention(
     device sync). ``max_seq_len`` is accepted for interface parity and unused. ``config`` =
     (BLOCK_M, BLOCK_N, num_warps, num_stages[, programs_per_sm]) overrides the tuning; the
     fifth entry is the Hopper path's persistent programs per SM (default 1; 0: no persistent
-    loop, one program per work item). ``path``: ``"auto"`` (the Hopper path on sm_90 with
-    pages of >= 64 tokens when the inputs allow it, else the portable one), ``"portable"``, or
-    ``"hopper"`` (ValueError if the inputs do not allow it: ``hopper_refusal``). ``window`` >
+    loop, one program per work item). ``path``: ``"portable"`` (the default until the Hopper
+    path's GPU tests and timings are in: it was built without a GPU), ``"auto"`` (the Hopper
+    path on sm_90 with pages of >= 64 tokens when the inputs allow it, else the portable one),
+    or ``"hopper"`` (ValueError if the inputs do not allow it: ``hopper_refusal``). ``window`` >
     0: a query at position p sees keys ``p - window < j <= p`` only, and the pages left of its
     window are not read; ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``
     (0: off). An fp8 cache (``float8_e4m3fn`` pages) comes with its scale pools

@@ -68,6 +68,12 @@ def test_generate_chat_on_the_default_model():
         (["generate", "hi", "--attention-backend", "magic", *TINY], 2, "invalid choice"),
         (["generate", "hi", "--device", "tpu", *TINY], 2, "device"),
         (["generate", "hi", "--device", "cpu", "--pdl-chain", *TINY], 2, "pdl_chain needs"),
+        (["generate", "hi", "--prefill-path", "fast", *TINY], 2, "invalid choice"),
+        (
+            ["generate", "hi", "--device", "cpu", "--prefill-path", "hopper", *TINY],
+            2,
+            "prefill_path hopper needs the triton backend on a CUDA GPU",
+        ),
         (["generate", "hi", "--model", "/no/such/model.gguf"], 1, "cannot load the model"),
         (["generate", "", *TINY], 1, "empty"),
         (["generate", "--chat", "hi", *TINY], 1, "no chat template"),
@@ -146,3 +152,14 @@ def test_pdl_chain_flag_and_its_default(flag, expected):
 
     args = build_parser().parse_args(["generate", "hi", *TINY, "--device", "cpu", *flag])
     assert engine_config_from_args(args).pdl_chain is expected
+
+
+@pytest.mark.parametrize("flag, expected", [([], "portable"), (["--prefill-path", "auto"], "auto")])
+def test_prefill_path_flag_and_its_default(flag, expected):
+    """Portable until the Hopper path has been timed; auto is accepted anywhere (it falls back
+    to the portable kernel where the Hopper one cannot run)."""
+    from flashserve.cli.args import engine_config_from_args
+    from flashserve.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", *TINY, "--device", "cpu", *flag])
+    assert engine_config_from_args(args).prefill_path == expected

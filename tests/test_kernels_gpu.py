@@ -446,7 +446,7 @@ def test_prefill_auto_takes_the_hopper_path_on_sm90():
         k, v, bt, sl = paged([3000], 8, 128, page)
         q = torch.randn(3000, 32, 128, device="cuda", dtype=torch.bfloat16)
         cu = cu_of([3000])
-        auto = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=3000)
+        auto = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=3000, path="auto")
         picked = "hopper" if hopper and page >= 64 else "portable"
         same = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=3000, path=picked)
         assert torch.equal(auto, same), (page, picked)

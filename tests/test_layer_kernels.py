@@ -375,6 +375,21 @@ def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
     assert seen == [chain] * 6
 
 
+@pytest.mark.parametrize("path", ["portable", "auto", "hopper"])
+def test_triton_backend_passes_its_prefill_path(monkeypatch, path):
+    """``load_backend("triton", prefill_path=...)`` (EngineConfig.prefill_path) reaches
+    every prefill call of the backend."""
+    import kernels.prefill
+    from flashserve.models.attention import load_backend
+
+    seen = []
+    monkeypatch.setattr(kernels.prefill, "prefill_attention",
+                        lambda *args, path, **kw: seen.append(path))  # fmt: skip
+    ops = load_backend("triton", prefill_path=path)
+    ops.prefill_attention()
+    assert seen == [path]
+
+
 # (hidden, heads, kv heads, head dim, rotated dims, head norms, Gemma's norms, MLP width)
 MODEL_SHAPES = {
     "qwen3-8b": (4096, 32, 8, 128, 128, True, False, 12288),

@@ -8,7 +8,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
-from flashserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from flashserve.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    PREFILL_PATHS,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 
 T = TypeVar("T")
 
@@ -96,6 +102,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split the model over N ranks, one process and one GPU each (cuda:0..N-1): "
         "attention heads, MLP and vocabulary; NCCL on CUDA, gloo on a CPU (default: 1). "
         "Across hosts: run the same command under torchrun on each (README)",
+    )
+    g.add_argument(
+        "--prefill-path",
+        choices=PREFILL_PATHS,
+        help="the Triton prefill kernel: portable (default; every GPU), hopper (TMA copies and "
+        "persistent programs; sm_90 with --block-size 64 or more, bf16/fp16 KV), or auto "
+        "(hopper where it can run)",
     )
     g.add_argument(
         "--pdl-chain",

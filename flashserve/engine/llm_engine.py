@@ -72,6 +72,7 @@ class LLMEngine:
                 self.config.attention_backend,
                 self.config.seed,
                 pdl_chain=self.config.pdl_chain,
+                prefill_path=self.config.prefill_path,
                 quantization=self.config.quantization,
                 tp=workers.group if workers is not None else SINGLE,
             )

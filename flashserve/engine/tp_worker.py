@@ -99,6 +99,7 @@ def _load(config: EngineConfig, group: TPGroup, store: dist.Store):
 
     loaded = load_model(config.model, config.device, config.torch_dtype, config.attention_backend,
                         config.seed, pdl_chain=config.pdl_chain,
+                        prefill_path=config.prefill_path,
                         quantization=config.quantization, tp=group)  # fmt: skip
     store.set(loaded_key(group.rank), "1")
     return ModelRunner(config, loaded.model, loaded.config)

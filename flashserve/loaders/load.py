@@ -37,6 +37,7 @@ from flashserve.models.linear import BLOCK, CHANNEL, QUANTIZE_AT_LOAD, Fp8Weight
 from flashserve.models.presets import preset_config
 from flashserve.models.sharding import SINGLE, TPComm, check_block_scales, check_shardable
 from flashserve.tokenizer.tokenizer import Tokenizer
+from kernels.prefill import HOPPER_HEAD_DIMS
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +61,17 @@ def load_model(
     attention_backend: str,
     seed: int = 0,
     pdl_chain: bool = True,
+    prefill_path: str = "portable",
     quantization: str | None = None,
     tp: TPComm = SINGLE,
 ) -> LoadedModel:
     """The model ``spec`` names, on ``device`` in ``dtype``, attending with the named backend
-    (``torch`` or ``triton``, its kernels in the PDL chain if ``pdl_chain``); ``seed`` seeds
+    (``torch`` or ``triton``, its kernels in the PDL chain if ``pdl_chain``, its prefill
+    kernel on ``prefill_path``: ``EngineConfig.prefill_path``); ``seed`` seeds
     dummy weights. ``quantization`` ``fp8``: float8 projections, quantized as they load
     (an fp8 checkpoint gets them without it). ``tp``: this rank's share of the model
     (ValueError, before any weight is read, if the model does not split over its ranks)."""
-    backend = load_backend(attention_backend, pdl_chain)
+    backend = load_backend(attention_backend, pdl_chain, prefill_path)
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     fp8 = QUANTIZE_AT_LOAD if quantization == "fp8" else None
@@ -85,6 +88,9 @@ def load_model(
         else:
             raise FileNotFoundError(f"model {spec!r} is not a Hugging Face directory, an "
                                     "existing .gguf file, or dummy:<preset>")  # fmt: skip
+    if prefill_path == "hopper" and loaded.config.head_dim not in HOPPER_HEAD_DIMS:
+        raise ValueError(f"prefill_path hopper takes head dims {HOPPER_HEAD_DIMS}; this model's "
+                         f"is {loaded.config.head_dim} (use portable or auto)")  # fmt: skip
     log.info("weights: %s", describe_weights(loaded.model))
     return loaded
 

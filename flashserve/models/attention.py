@@ -169,8 +169,9 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, pdl_chain: bool = True) -> None:
+    def __init__(self, pdl_chain: bool = True, prefill_path: str = "portable") -> None:
         self.pdl_chain = pdl_chain  # read by _ops, which the base class calls
+        self.prefill_path = prefill_path
         super().__init__()
 
     def _ops(self) -> dict[str, Op]:
@@ -186,17 +187,19 @@ class TritonBackend(AttentionBackend):
                    "gelu_tanh_and_mul": gelu_tanh_and_mul, "rope_write_kv": rope_write_kv,
                    "decode_attention": decode_attention}  # fmt: skip
         ops = {name: partial(fn, chain=self.pdl_chain) for name, fn in chained.items()}
-        return {**ops, "prefill_attention": prefill_attention}
+        return {**ops, "prefill_attention": partial(prefill_attention, path=self.prefill_path)}
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
 
 
-def load_backend(name: str, pdl_chain: bool = True) -> AttentionBackend:
+def load_backend(name: str, pdl_chain: bool = True, prefill_path: str = "portable"
+                 ) -> AttentionBackend:  # fmt: skip
     """The backend called ``name``: ``torch`` or ``triton``. ``pdl_chain``: the triton kernels
-    of a decode layer join the PDL chain (``EngineConfig.pdl_chain``)."""
+    of a decode layer join the PDL chain (``EngineConfig.pdl_chain``); ``prefill_path``: the
+    triton prefill kernel's (``EngineConfig.prefill_path``)."""
     if name == "triton":
-        return TritonBackend(pdl_chain)
+        return TritonBackend(pdl_chain, prefill_path)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
     return BACKENDS[name]()
