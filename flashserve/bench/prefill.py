@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
             "dtype": config.dtype,
             "attention_backend": config.attention_backend,
             "max_num_batched_tokens": config.max_num_batched_tokens,
+            "block_size": config.block_size,
+            "prefill_path": config.prefill_path,
             "threads": torch.get_num_threads(),
             "cpu_model": cpu_model(),
             "rounds": args.rounds,
