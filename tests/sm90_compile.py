@@ -93,16 +93,27 @@ def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
     return _compile(rope._rope_write_kv_kernel, ptrs, consts, num_warps=4, enable_fp_fusion=False)
 
 
-def gemv_kernel(w: str, x: str = "bf16", m: int = 1, tile=(8, 2048, 8, 3), w_scale: int = 0):
+def gemv_kernel(
+    w: str,
+    x: str = "bf16",
+    m: int = 1,
+    tile=(8, 2048, 8, 3),
+    w_scale: int = 0,
+    x_rows: int | None = None,
+):
     """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit, K a multiple of BLOCK_K;
     ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1 or 2), ``tile``: (BLOCK_N,
     BLOCK_K, num_warps, num_stages)."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
-    consts = dict(HAS_BIAS=False, SPLIT=False, USE_DOT=m > 1, EVEN_K=True,
-                  BLOCK_M=16 if m > 1 else 1, BLOCK_N=tile[0], BLOCK_K=tile[1],
+    fp8 = w_scale > 0
+    dot = m > 1 or fp8
+    consts = dict(HAS_BIAS=False, SPLIT=False, USE_DOT=dot, EVEN_K=True,
+                  BLOCK_M=16 if dot else 1, BLOCK_N=tile[0], BLOCK_K=tile[1],
                   NUM_STAGES=tile[3], MERGE_S=1, CHAIN=True, W_SCALE=w_scale,
-                  DOT_PRECISION="ieee" if x == "fp32" else "tf32")  # fmt: skip
+                  DOT_PRECISION="ieee" if x == "fp32" else "tf32",
+                  X_ROWS=x_rows or (triton.next_power_of_2(m) if fp8 else 16 if dot else 1),
+                  F16_DOT=fp8 and x != "fp32")  # fmt: skip
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3])
 
 
@@ -110,16 +121,16 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _largest_loop(lines: list[str], label: str, branch: str) -> list[str]:
-    """The longest span from a line matching ``label`` to a later line matching ``branch`` with
-    the same group 1 (a jump back to that label): a loop's body."""
-    starts, best = {}, []
+def _first_loop(lines: list[str], label: str, branch: str) -> list[str]:
+    """The body of the first loop in ``lines``: from a line matching ``label`` to the first later
+    line matching ``branch`` with the same group 1 (a jump back to that label)."""
+    starts = {}
     for i, line in enumerate(lines):
         if m := re.match(label, line):
             starts[m[1]] = i
-        elif (m := re.search(branch, line)) and m[1] in starts and i - starts[m[1]] > len(best):
-            best = lines[starts[m[1]] : i + 1]
-    return best
+        elif (m := re.search(branch, line)) and m[1] in starts:
+            return lines[starts[m[1]] : i + 1]
+    return []
 
 
 def _disassemble(kernel) -> str:
@@ -143,11 +154,11 @@ _PTX_KINDS = {
 def loop_mix(kernel, weight_bytes: int) -> dict:
     """The main loop's instructions per thread and K step: PTX by kind, SASS in all; and each
     per byte of weight the thread streams a step (``weight_bytes``)."""
-    ptx = _largest_loop(kernel.asm["ptx"].splitlines(), r"(\$L__BB\w+):",
+    ptx = _first_loop(kernel.asm["ptx"].splitlines(), r"(\$L__BB\w+):",
                         r"\bbra(?:\.uni)?\s+(\$L__BB\w+);")  # fmt: skip
     ops = [s.split()[0] for s in (re.sub(r"^\s*@!?%p\d+\s+", "", s) for s in ptx) if s.strip()]
     mix = {k: sum(op.startswith(p) for op in ops) for k, p in _PTX_KINDS.items()}
-    sass = _largest_loop(_disassemble(kernel).splitlines(), r"(\.L_x_\d+):",
+    sass = _first_loop(_disassemble(kernel).splitlines(), r"(\.L_x_\d+):",
                          r"BRA\s+`?\(?(\.L_x_\d+)")  # fmt: skip
     mix["sass"] = sum(bool(re.match(r"\s*/\*[0-9a-f]+\*/", s)) for s in sass)
     per_byte = {k: round(v / weight_bytes, 3) for k, v in mix.items()}
@@ -165,8 +176,15 @@ def _resources(kernel) -> dict:
             "spill": int(re.search(r"LOCAL:(\d+)", out)[1])}  # fmt: skip
 
 
-def gemv_summary(w: str, x: str = "bf16", m: int = 1, tile=(8, 2048, 8, 3), w_scale: int = 0):
-    kernel = gemv_kernel(w, x, m, tile, w_scale)
+def gemv_summary(
+    w: str,
+    x: str = "bf16",
+    m: int = 1,
+    tile=(8, 2048, 8, 3),
+    w_scale: int = 0,
+    x_rows: int | None = None,
+) -> dict:
+    kernel = gemv_kernel(w, x, m, tile, w_scale, x_rows)
     size = {"fp8e4nv": 1, "fp32": 4}.get(w, 2)
     per_thread = tile[0] * tile[1] * size // (32 * tile[2])
     return {"shared": kernel.metadata.shared, **_resources(kernel),
@@ -195,16 +213,21 @@ VARIANTS = {
                                                              WINDOWED=True, SOFTCAP=True),
     "rope-fp8": lambda: rope_kernel(True),
 }  # fmt: skip
-# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the bf16 heuristic's tiles (M = 1, M > 1) and the
+# fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps of 64 rows each, x's fragments
+# converted once per 64 rows)
 GEMV_VARIANTS = {
     "gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3)),
-    "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=(8, 2048, 8, 3), w_scale=1),
-    "gemv-fp8-channel-m1-16x1024": lambda: gemv_summary("fp8e4nv", tile=(16, 1024, 8, 3),
-                                                        w_scale=1),
-    "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(8, 2048, 8, 3), w_scale=2),
     "gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3)),
+    "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
+    "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 256, 2, 3), w_scale=1),
+    "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", "fp16", tile=(64, 256, 4, 4),
+                                                     w_scale=1),
+    "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 128, 4, 6), w_scale=2),
     "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=1),
-    "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(32, 512, 4, 4), w_scale=2),
+    "gemv-fp8-channel-m16": lambda: gemv_summary("fp8e4nv", m=16, tile=(64, 256, 4, 4),
+                                                 w_scale=1),
+    "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 128, 4, 6), w_scale=2),
 }  # fmt: skip
 
 

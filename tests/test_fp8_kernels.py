@@ -134,10 +134,22 @@ def test_fp8_gemv_matches_dequantized_reference(dtype, m, n, k, scales, bias):
     assert_close(out, _ref(x, q, scale, b), TOL[dtype], f"{scales} M={m} N={n} K={k}")
 
 
+@pytest.mark.parametrize("scales", ["channel", "block"])
+def test_fp8_gemv_every_m(scales):
+    """M = 1..16 (x's rows loaded as the next power of two, repeated to the dot's 16), fp16
+    activations, odd N and K (a K tail)."""
+    n, k = 75, 333
+    q, scale = _weight(n, k, scales)
+    for m in range(1, 17):
+        x = torch.randn(m, k, device=DEVICE).half()
+        out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float16)
+        linear_small_m(x, q, out=out, weight_scale=scale)
+        assert_close(out, _ref(x, q, scale), TOL[torch.float16], f"{scales} M={m}")
+
+
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): K tiles under one 128-block (one scale
-# per tile), over several blocks with a K tail, split K (scales per row apply once, after the
-# split sum)
-FP8_CONFIGS = [(16, 64, 3, 4, 2), (32, 256, 2, 4, 2), (16, 128, 8, 4, 2), (64, 512, 1, 4, 2)]
+# per tile), a K tail, split K (scales per row apply once, after the split sum)
+FP8_CONFIGS = [(16, 64, 3, 4, 2), (32, 128, 2, 4, 2), (16, 128, 8, 4, 2), (64, 32, 1, 4, 2)]
 
 
 @pytest.mark.parametrize("config", FP8_CONFIGS)
@@ -152,13 +164,51 @@ def test_fp8_gemv_configs_and_split_k(config, m, scales):
     assert_close(out, _ref(x, q, scale, b), TOL[torch.float16], f"{scales} {config}")
 
 
+@pytest.mark.parametrize("config", [(64, 512, 1, 4, 2), (128, 256, 2, 2, 3)])
+def test_fp8_gemv_per_channel_long_k_tiles(config):
+    """Per-channel scales take K tiles over 128 (one scale a row, after the sum)."""
+    q, scale = _weight(130, 1100, "channel")
+    x = torch.randn(3, 1100, device=DEVICE).half()
+    out = linear_small_m(x, q, weight_scale=scale, config=config)
+    assert_close(out, _ref(x, q, scale), TOL[torch.float16], f"channel {config}")
+
+
+def _bf16_rows(m: int, k: int, magnitudes: list[float]) -> torch.Tensor:
+    """bf16 activations whose row i has magnitude ``magnitudes[i % len]`` (the largest element
+    of a row is about 4x that)."""
+    mag = torch.tensor(magnitudes, device=DEVICE).repeat(-(-m // len(magnitudes)))[:m, None]
+    return (torch.randn(m, k, device=DEVICE) * mag).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("scales", ["channel", "block"])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_gemv_bf16_rows_outside_f16_range(scales, m):
+    """bf16 x meets f16 operands: rows past 65504 (they would be inf) or with no element over
+    2^-10 (subnormal in f16) are scaled by a power of two and their steps run again; rows in
+    range beside them stay right. The interpreter reads bf16 and widens it correctly."""
+    n, k = 96, 300
+    q, scale = _weight(n, k, scales)
+    for magnitudes in ([1e5], [3e-5], [1.0, 2e5, 1e-6, 0.5], [0.0, 1.0]):
+        x = _bf16_rows(m, k, magnitudes)
+        got = linear_small_m(x, q, weight_scale=scale).float()
+        ref = _ref(x, q, scale)
+        for i in range(m):  # each row against its own size: a huge row would hide a tiny one
+            what = f"{scales} M={m} row {i} of magnitude {magnitudes[i % len(magnitudes)]:g}"
+            if ref[i].abs().max() == 0:
+                assert (got[i] == 0).all(), what
+            else:
+                assert_close(got[i], ref[i], TOL[torch.bfloat16], what)
+
+
 def test_fp8_gemv_heuristic_tiles():
-    """fp8 tiles: no split at Llama-3-8B shapes on an H100, 128x128 blocks' rows shared."""
+    """fp8 tiles: no split at Llama-3-8B shapes on an H100, 128x128 blocks' rows shared, a
+    block scale per K step; every M on tl.dot (BLOCK_N >= 16)."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for m in (1, 8, 16):
             for w_scale in (1, 2):
                 block_n, block_k, split, _, _ = gemv_config(m, n, k, 132, w_scale)
-                assert split == 1 and k % block_k == 0 and block_n <= 128, (m, n, k, w_scale)
+                assert split == 1 and k % block_k == 0 and 16 <= block_n <= 128, (m, n, k)
+                assert w_scale == 1 or block_k <= 128, (m, n, k)
 
 
 def test_fp8_gemv_errors():
@@ -171,6 +221,8 @@ def test_fp8_gemv_errors():
         "scale dtype": (q, scale.half(), None),
         "scale of a float weight": (q.half(), scale, None),
         "BLOCK_N 256 with blocks": (qb, bscale, (256, 64, 1, 4, 2)),
+        "BLOCK_K 256 with blocks": (qb, bscale, (64, 256, 1, 4, 2)),
+        "BLOCK_N 8 (tl.dot)": (q, scale, (8, 64, 1, 4, 2)),
     }
     for what, (w, s, config) in bad.items():
         with pytest.raises(ValueError):
