@@ -256,17 +256,30 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
     return max(1, min(triton.cdiv(num_sms, tiles_n), k // max(_MIN_SPLIT_K, block_k)))
 
 
-# float8 weights (W_SCALE 1, 2), every M: not measured yet (GPU sweep: ``python -m
-# kernels.bench_fp8 --sweep``, which also times the mma.sync tiles (2 warps of 64 rows) and
-# split K). sm_90 compile reports (Triton 3.6, tests/sm90_compile.py), SASS instructions per
-# byte of weight in the main loop at M = 1: (64, 256, 4 warps) wgmma 2.1, against 3.5 for the
-# elementwise fp32 loop this replaced and 2.0 for bf16 weights' (4, 2048); 168 registers, no
-# spills. Block scales take one scale per K step (BLOCK_K 128), with more stages for the same
-# bytes in flight.
+# float8 weights (W_SCALE 1, 2), every M on tl.dot: not measured yet (GPU sweep: ``python -m
+# kernels.bench_fp8 --sweep``). Picked from sm_90 compile reports (Triton 3.6,
+# tests/sm90_compile.py): SASS instructions per byte of weight in the main loop at M = 1, against
+# 3.5 for the fp32 FMA loop this replaced and 2.0 for bf16 weights' (4, 2048):
+# - mma.sync, 2 warps of 64 rows (128, 128, 2 warps): 1.43 per channel, 1.57 blocks, 179
+#   registers (x's fragments are converted once per warp and K step: 64 rows share them). Only
+#   where its 128-row tiles still give every SM one (gate_up, lm_head): below, the tiles are too
+#   few and split K would cost its ~1.5 us (bf16's measurement above).
+# - wgmma, 4 warps over 64 rows (64, 256, 4 warps): 2.13 per channel (the e4m3 operand is read
+#   from shared memory two bytes at a time), 177 registers; blocks (64, 128, 4 warps) 3.2, with
+#   6 stages for the same bytes in flight (a block scale per K step: BLOCK_K <= 128).
+# No spills in any. M = 8: 1.95 and 3.2 per byte.
+_FP8_TILE_WIDE = (128, 128, 2, 4)
 _FP8_TILE = (64, 256, 4, 4)
 _FP8_TILE_BLOCK = (64, 128, 4, 6)
+_FP8_WIDE_TILES_PER_SM = 1.0
 
 W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
+
+
+def _fp8_tile(n: int, num_sms: int, w_scale: int) -> tuple[int, int, int, int]:
+    if triton.cdiv(n, _FP8_TILE_WIDE[0]) >= _FP8_WIDE_TILES_PER_SM * num_sms:
+        return _FP8_TILE_WIDE
+    return _FP8_TILE_BLOCK if w_scale == W_SCALE_BLOCK else _FP8_TILE
 
 
 def gemv_config(
@@ -275,7 +288,7 @@ def gemv_config(
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product;
     ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2) scales."""
     if w_scale != W_SCALE_NONE:
-        tile = _FP8_TILE_BLOCK if w_scale == W_SCALE_BLOCK else _FP8_TILE
+        tile = _fp8_tile(n, num_sms, w_scale)
     elif m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
         tile = _TILE_M1_NARROW
     elif m == 1:
