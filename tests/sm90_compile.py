@@ -1,6 +1,6 @@
 """Compile the attention and GEMV kernels for sm_90 without a GPU (Triton's own ptxas), and
-summarize what came out: ``python tests/sm90_compile.py [VARIANT ...]`` prints one JSON object
-per kernel variant.
+summarize what came out: ``python tests/sm90_compile.py [PREFIX ...]`` prints one JSON object
+per kernel variant (those whose names start with a PREFIX: ``decode``, ``gemv-fp8``, ...).
 
 The interpreter runs a kernel's Python, not its compilation: a GPU-only error (a non-constexpr
 global read in a jit function, a conversion the backend lacks) or a lost optimization (loads
@@ -213,18 +213,21 @@ VARIANTS = {
                                                              WINDOWED=True, SOFTCAP=True),
     "rope-fp8": lambda: rope_kernel(True),
 }  # fmt: skip
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): the bf16 heuristic's tiles (M = 1, M > 1) and the
-# fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps of 64 rows each, x's fragments
-# converted once per 64 rows)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the heuristic's tiles (kernels.gemv.gemv_config) for
+# bf16 weights (M = 1, M > 1) and fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps
+# of 64 rows, ``-mma2``)
 GEMV_VARIANTS = {
     "gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3)),
     "gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3)),
     "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
-    "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 256, 2, 3), w_scale=1),
+    "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=1),
     "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", "fp16", tile=(64, 256, 4, 4),
                                                      w_scale=1),
     "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 128, 4, 6), w_scale=2),
+    "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=2),
     "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=1),
+    "gemv-fp8-channel-m8-mma2": lambda: gemv_summary("fp8e4nv", m=8, tile=(128, 128, 2, 4),
+                                                     w_scale=1),
     "gemv-fp8-channel-m16": lambda: gemv_summary("fp8e4nv", m=16, tile=(64, 256, 4, 4),
                                                  w_scale=1),
     "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 128, 4, 6), w_scale=2),
@@ -232,6 +235,7 @@ GEMV_VARIANTS = {
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or [*VARIANTS, *GEMV_VARIANTS]:
+    everything = {**VARIANTS, **GEMV_VARIANTS}
+    for name in [v for v in everything if any(v.startswith(a) for a in sys.argv[1:] or [""])]:
         row = GEMV_VARIANTS[name]() if name in GEMV_VARIANTS else summary(VARIANTS[name]())
         print(json.dumps({"variant": name, **row}), flush=True)
