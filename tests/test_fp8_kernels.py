@@ -277,15 +277,44 @@ def test_fp8_linear_off_cuda_is_the_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
 @pytest.mark.parametrize("scales", ["channel", "block"])
 def test_fp8_gemv_llama_shapes_bf16(n, k, m, scales):
+    """Llama-3-8B shapes, the heuristic's tiles (gate_up: mma.sync, the others wgmma)."""
     q, scale = _weight(n, k, scales)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = linear_small_m(x, q, b, weight_scale=scale)
     assert_close(out, _ref(x, q, scale, b), TOL[torch.bfloat16], f"{scales} M={m} N={n} K={k}")
+
+
+# one tile of each kind ``kernels.bench_fp8 --sweep`` times: mma.sync with 2 warps of 64 rows and
+# with 1, wgmma with 4 warps (BLOCK_K 256 and 128) and 8; unsplit and split in 3
+SWEEP_KINDS = [
+    (128, 128, 2, 4),
+    (64, 256, 1, 3),
+    (64, 256, 4, 4),
+    (64, 128, 4, 6),
+    (128, 128, 8, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", SWEEP_KINDS)
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("scales", ["channel", "block"])
+def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
+    """Each kind of tile the sweep times (their layouts exist only on the GPU: the interpreter
+    runs none of them), bf16 x, M = 1, 5 and 16, K with a tail."""
+    if scales == "block" and max(tile[:2]) > 128:
+        pytest.skip("block scales take tiles within one 128x128 block")
+    n, k = 1000, 4000
+    q, scale = _weight(n, k, scales)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = linear_small_m(x, q, weight_scale=scale, config=(*tile[:2], split, *tile[2:]))
+        assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m}")
 
 
 @pytest.mark.gpu
