@@ -32,13 +32,13 @@ MAX_ERR = 2e-2  # bf16 output against the float64 product with the same (dequant
 LAYOUTS = {"bf16": None, "fp8-channel": quantize_per_channel, "fp8-block": quantize_blocks}
 W_SCALE = {"bf16": 0, "fp8-channel": 1, "fp8-block": 2}
 # --sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages) for fp8 weights (every M takes tl.dot with
-# f16 operands), each at the splits of ``_splits``; 128x128 block scales take those with BLOCK_N
-# and BLOCK_K <= 128. Under 4 warps tl.dot is mma.sync (64 rows a warp share x's fragments), from
-# 4 warps and 64 rows wgmma (tests/sm90_compile.py: instructions per byte).
+# f16 operands), each at the splits of ``_splits`` (128x128 block scales: BLOCK_N <= 128, all
+# here). Under 4 warps tl.dot is mma.sync (64 rows a warp share x's fragments), from 4 warps and
+# 64 rows wgmma (tests/sm90_compile.py: instructions per byte).
 _SWEEP = [
-    (128, 128, 2, 4), (128, 256, 2, 3), (64, 256, 1, 3), (64, 128, 1, 6), (32, 256, 1, 4),
-    (64, 256, 4, 4), (64, 256, 4, 3), (64, 512, 4, 3), (64, 128, 4, 6), (128, 128, 8, 4),
-    (128, 256, 8, 3), (32, 128, 1, 8), (16, 128, 1, 8),
+    (128, 128, 2, 4), (128, 256, 2, 3), (64, 256, 2, 4), (64, 128, 2, 6), (64, 256, 1, 3),
+    (32, 256, 1, 4), (64, 256, 4, 4), (64, 256, 4, 3), (64, 512, 4, 3), (64, 128, 4, 6),
+    (128, 128, 8, 4), (128, 256, 8, 3), (16, 256, 1, 6),
 ]  # fmt: skip
 SPLITS = (2, 4)
 
@@ -68,9 +68,7 @@ def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[
     pick = gemv_config(m, n, k, sms, W_SCALE[layout])
     if not sweep or layout == "bf16":
         return [pick]
-    block = layout == "fp8-block"
-    tiles = [t for t in _SWEEP if not (block and max(t[:2]) > 128)]
-    more = [(bn, bk, s, w, st) for bn, bk, w, st in tiles for s in _splits(n, k, bn, bk, sms)]
+    more = [(bn, bk, s, w, st) for bn, bk, w, st in _SWEEP for s in _splits(n, k, bn, bk, sms)]
     return [pick] + [c for c in dict.fromkeys(more) if c != pick]
 
 

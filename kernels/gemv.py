@@ -24,8 +24,9 @@ power of two, repeated to the dot's 16) and rounded to f16 (exact for bf16 in f1
 rows outside it are scaled by a power of two and the steps run again: ``_dot_steps``'s caller);
 fp32 x keeps fp32 operands (``ieee``). Per-channel scales multiply the fp32 sums once, as they
 are stored (``out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]``); block scales vary along K, so
-each K step (BLOCK_K <= 128, within one block) multiplies its product by its block's scale
-before adding it (BLOCK_N divides 128: a tile's rows share their block row). A
+a K step runs in parts of 128 columns (one block; the whole step if BLOCK_K <= 128), each part's
+product multiplied by its block's scale before it is added (BLOCK_N divides 128: a tile's rows
+share their block row). A
 bf16/fp16/fp32 weight (``W_SCALE`` 0) compiles to the same loops as before fp8 existed.
 
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
@@ -77,36 +78,43 @@ def _dot_steps(w_ptrs, x_ptrs, s_ptr, x_scale, k_lo, k_hi, offs_k, BLOCK_M: tl.c
                SCALE_X: tl.constexpr, TRACK_X: tl.constexpr,
                DOT_PRECISION: tl.constexpr):  # fmt: skip
     """The reduction over K steps ``[k_lo, k_hi)`` with ``tl.dot``: ``acc[n, m] = sum_k w[n, k]
-    * x[m, k]`` [BLOCK_N, BLOCK_M] fp32, x's rows repeated to BLOCK_M (``_rows``); 128x128 block
-    scales (W_SCALE 2, BLOCK_K <= 128: one scale a step) multiply each step's product.
-    F16_DOT: both operands in f16 (an e4m3 pair widens to f16 in one instruction; bf16 x
-    rounds exactly in f16's range), SCALE_X: x's rows times ``x_scale`` [XM] first, TRACK_X:
-    also return ``max_k |x[m, k]|`` per loaded row (else zeros)."""
+    * x[m, k]`` [BLOCK_N, BLOCK_M] fp32, x's rows repeated to BLOCK_M (``_rows``). A step loads
+    BLOCK_K columns in parts as wide as the pointers ``w_ptrs`` [BN, PK] and ``x_ptrs`` [XM, PK]
+    (BLOCK_K, or 128 with block scales: W_SCALE 2 multiplies each part's product by its block's
+    scale). F16_DOT: both operands in f16 (an e4m3 pair widens to f16 in one instruction; bf16
+    x rounds exactly in f16's range), SCALE_X: x's rows times ``x_scale`` [XM] first, TRACK_X
+    (bf16 x): also return ``max_k |x[m, k]|`` per loaded row (else zeros), kept as bf16 bits
+    (their order is the values'; 2-byte registers where float32 took 4)."""
+    PART_K: tl.constexpr = w_ptrs.shape[1]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    amax = tl.zeros(x_ptrs.shape, tl.float32)  # [XM, BK]
+    amax = tl.zeros(x_ptrs.shape, tl.int16)  # [XM, PK]
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, eviction_policy="evict_last")
-        else:
-            k_mask = (k0 + offs_k) < k_hi
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_last")
-        if TRACK_X:
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        if SCALE_X:
-            x = x.to(tl.float32) * x_scale[:, None]
-        if F16_DOT:
-            x = x.to(tl.float16)
-        w = w.to(x.dtype)  # a float8 weight widens exactly
-        xt = tl.trans(_rows(x, BLOCK_M))  # [BK, BM]
-        if W_SCALE == 2:
-            acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * tl.load(s_ptr + k0 // 128)
-        else:
-            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        for part in tl.static_range(0, BLOCK_K, PART_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs + part, eviction_policy="evict_first")
+                x = tl.load(x_ptrs + part, eviction_policy="evict_last")
+            else:
+                k_mask = (k0 + part + offs_k) < k_hi
+                w = tl.load(w_ptrs + part, mask=k_mask[None, :], other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+                x = tl.load(x_ptrs + part, mask=k_mask[None, :], other=0.0,
+                            eviction_policy="evict_last")  # fmt: skip
+            if TRACK_X:
+                amax = tl.maximum(amax, x.to(tl.int16, bitcast=True) & 0x7FFF)
+            if SCALE_X:
+                x = x.to(tl.float32) * x_scale[:, None]
+            if F16_DOT:
+                x = x.to(tl.float16)
+            w = w.to(x.dtype)  # a float8 weight widens exactly
+            xt = tl.trans(_rows(x, BLOCK_M))  # [PK, BM]
+            if W_SCALE == 2:
+                s = tl.load(s_ptr + (k0 + part) // 128)
+                acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
+            else:
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    return acc, tl.max(amax, 1)
+    return acc, tl.max(amax, 1).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
 
 
 # bf16 x in f16 (F16_DOT): exact for |x| <= 65504 (larger is inf); an element under 2^-14 rounds
@@ -152,15 +160,17 @@ def _linear_kernel(
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    # block scales change every 128 columns: on tl.dot a wider K step loads 128-column parts
+    PART_K: tl.constexpr = 128 if USE_DOT and W_SCALE == 2 and BLOCK_K > 128 else BLOCK_K
+    offs_k = tl.arange(0, PART_K)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     # Out-of-range rows are clamped, not masked: every weight load is a full, unmasked tile.
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, BK]
+    w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, PK]
     if USE_DOT:
         x_rows = tl.minimum(tl.arange(0, X_ROWS), M - 1)  # rows past M re-read row M - 1
-        x_ptrs = X + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [XM, BK]
+        x_ptrs = X + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [XM, PK]
         # BLOCK_N divides 128 (block scales), so the tile's rows share one row of scale blocks
         s_ptr = Scale + (pid_n * BLOCK_N // 128) * tl.cdiv(K, 128)
         range_check: tl.constexpr = F16_DOT and X.dtype.element_ty == tl.bfloat16
@@ -258,28 +268,26 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
 
 # float8 weights (W_SCALE 1, 2), every M on tl.dot: not measured yet (GPU sweep: ``python -m
 # kernels.bench_fp8 --sweep``). Picked from sm_90 compile reports (Triton 3.6,
-# tests/sm90_compile.py): SASS instructions per byte of weight in the main loop at M = 1, against
-# 3.5 for the fp32 FMA loop this replaced and 2.0 for bf16 weights' (4, 2048):
-# - mma.sync, 2 warps of 64 rows (128, 128, 2 warps): 1.43 per channel, 1.57 blocks, 179
-#   registers (x's fragments are converted once per warp and K step: 64 rows share them). Only
-#   where its 128-row tiles still give every SM one (gate_up, lm_head): below, the tiles are too
-#   few and split K would cost its ~1.5 us (bf16's measurement above).
-# - wgmma, 4 warps over 64 rows (64, 256, 4 warps): 2.13 per channel (the e4m3 operand is read
-#   from shared memory two bytes at a time), 177 registers; blocks (64, 128, 4 warps) 3.2, with
-#   6 stages for the same bytes in flight (a block scale per K step: BLOCK_K <= 128).
-# No spills in any. M = 8: 1.95 and 3.2 per byte.
+# tests/sm90_compile.py): SASS instructions per byte of weight in the main loop at M = 1, per
+# channel / block scales, against 3.5 / 4.0 for the fp32 FMA loop this replaced and 2.0 for
+# bf16 weights' (4, 2048):
+# - mma.sync, 2 warps of 64 rows (128, 128, 2 warps): 1.44 / 1.55, 179 / 196 registers (x's
+#   fragments are converted once per warp and K step: 64 rows share them). Only where its
+#   128-row tiles still give every SM one (gate_up, lm_head): below, the tiles are too few and
+#   split K would cost its ~1.5 us (bf16's measurement above).
+# - wgmma, 4 warps over 64 rows (64, 256, 4 warps): 2.15 / 2.84 (the e4m3 operand is read from
+#   shared memory two bytes at a time), 176 / 116 registers.
+# No spills in any. M = 8, per channel: 1.51 (mma.sync), 2.84 (wgmma; 4.3 before).
 _FP8_TILE_WIDE = (128, 128, 2, 4)
 _FP8_TILE = (64, 256, 4, 4)
-_FP8_TILE_BLOCK = (64, 128, 4, 6)
 _FP8_WIDE_TILES_PER_SM = 1.0
 
 W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
 
 
-def _fp8_tile(n: int, num_sms: int, w_scale: int) -> tuple[int, int, int, int]:
-    if triton.cdiv(n, _FP8_TILE_WIDE[0]) >= _FP8_WIDE_TILES_PER_SM * num_sms:
-        return _FP8_TILE_WIDE
-    return _FP8_TILE_BLOCK if w_scale == W_SCALE_BLOCK else _FP8_TILE
+def _fp8_tile(n: int, num_sms: int) -> tuple[int, int, int, int]:
+    wide = triton.cdiv(n, _FP8_TILE_WIDE[0]) >= _FP8_WIDE_TILES_PER_SM * num_sms
+    return _FP8_TILE_WIDE if wide else _FP8_TILE
 
 
 def gemv_config(
@@ -288,7 +296,7 @@ def gemv_config(
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product;
     ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2) scales."""
     if w_scale != W_SCALE_NONE:
-        tile = _fp8_tile(n, num_sms, w_scale)
+        tile = _fp8_tile(n, num_sms)
     elif m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
         tile = _TILE_M1_NARROW
     elif m == 1:
@@ -357,9 +365,8 @@ def _check_config(block_n: int, block_k: int, split_k: int, use_dot: bool, w_sca
     if not pow2 or split_k < 1 or (use_dot and min(block_n, block_k) < 16):
         raise ValueError(f"config: BLOCK_N {block_n}, BLOCK_K {block_k} must be powers of two "
                          f"(>= 16 on tl.dot: M > 1 or float8), SPLIT_K {split_k} >= 1")  # fmt: skip
-    if w_scale == W_SCALE_BLOCK and max(block_n, block_k) > 128:
-        raise ValueError(f"config: BLOCK_N {block_n} and BLOCK_K {block_k} must be <= 128 with "
-                         "128x128 block scales")  # fmt: skip
+    if w_scale == W_SCALE_BLOCK and block_n > 128:
+        raise ValueError(f"config: BLOCK_N {block_n} must be <= 128 with 128x128 block scales")
 
 
 def linear_small_m(

@@ -223,14 +223,14 @@ GEMV_VARIANTS = {
     "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=1),
     "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", "fp16", tile=(64, 256, 4, 4),
                                                      w_scale=1),
-    "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 128, 4, 6), w_scale=2),
+    "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=2),
     "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=2),
     "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=1),
     "gemv-fp8-channel-m8-mma2": lambda: gemv_summary("fp8e4nv", m=8, tile=(128, 128, 2, 4),
                                                      w_scale=1),
     "gemv-fp8-channel-m16": lambda: gemv_summary("fp8e4nv", m=16, tile=(64, 256, 4, 4),
                                                  w_scale=1),
-    "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 128, 4, 6), w_scale=2),
+    "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=2),
 }  # fmt: skip
 
 
