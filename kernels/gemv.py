@@ -26,8 +26,8 @@ fp32 x keeps fp32 operands (``ieee``). Per-channel scales multiply the fp32 sums
 are stored (``out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]``); block scales vary along K, so
 a K step runs in parts of 128 columns (one block; the whole step if BLOCK_K <= 128), each part's
 product multiplied by its block's scale before it is added (BLOCK_N divides 128: a tile's rows
-share their block row). A
-bf16/fp16/fp32 weight (``W_SCALE`` 0) compiles to the same loops as before fp8 existed.
+share their block row). A bf16/fp16/fp32 weight (``W_SCALE`` 0) compiles to the same loops as
+before fp8 existed.
 
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
 counters live in a per-device buffer that every launch leaves zeroed (the summing program resets
@@ -181,9 +181,9 @@ def _linear_kernel(
             redo = (amax > _F16_MAX) | ((amax < _X_SMALL) & (amax > 0))  # [XM]
             if tl.max(redo.to(tl.int32), 0) > 0:  # rare: the steps again, those rows scaled
                 e = tl.where(redo, tl.floor(tl.log2(amax)) - 14, 0.0)
-                acc, amax = _dot_steps(w_ptrs, x_ptrs, s_ptr, tl.exp2(-e), k_lo, k_hi, offs_k,
-                                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, W_SCALE,
-                                       F16_DOT, True, False, DOT_PRECISION)  # fmt: skip
+                acc, _ = _dot_steps(w_ptrs, x_ptrs, s_ptr, tl.exp2(-e), k_lo, k_hi, offs_k,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, W_SCALE,
+                                    F16_DOT, True, False, DOT_PRECISION)  # fmt: skip
                 acc *= tl.trans(_rows(tl.exp2(e)[:, None], BLOCK_M))  # [1, BM]
         acc = tl.trans(acc)  # [BM, BN]
     else:  # M = 1, unquantized: x [1, BK] broadcast over the rows, summed once at the end
