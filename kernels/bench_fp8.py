@@ -7,7 +7,8 @@ against float64 math on the weight it reads, then timed under CUDA-graph replay,
 >= 20 calls rotating over weight copies of >= 256 MB (5x the 50 MB L2), median of 10 replays.
 GB/s counts the bytes one call reads and writes (weight, scales, x, out); the device-to-device
 copy bandwidth (read + write) measured in the same run is the 100% line. ``--sweep`` times the
-fp8 layouts over more tiles too (tuning: the best and the heuristic's pick per point).
+fp8 layouts over more tiles and K splits too (tuning: the best and the heuristic's pick per
+point; ``--shapes``/``--layouts`` narrow it).
 With ``TRITON_INTERPRET=1`` it runs on the CPU at toy sizes (a smoke test of the script only).
 """
 
@@ -30,12 +31,16 @@ ROTATE_BYTES = 256 << 20
 MAX_ERR = 2e-2  # bf16 output against the float64 product with the same (dequantized) weight
 LAYOUTS = {"bf16": None, "fp8-channel": quantize_per_channel, "fp8-block": quantize_blocks}
 W_SCALE = {"bf16": 0, "fp8-channel": 1, "fp8-block": 2}
-# --sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages) for fp8 weights, each at the heuristic
-# split; block scales need BLOCK_N <= 128 (all here)
-_SWEEP_M1 = [(8, 2048, 8, 3), (16, 1024, 8, 3), (8, 2048, 4, 3), (4, 2048, 4, 3), (16, 2048, 8, 3),
-             (8, 4096, 8, 2), (8, 1024, 4, 4), (32, 1024, 8, 3), (16, 1024, 4, 4)]  # fmt: skip
-_SWEEP_DOT = [(64, 256, 4, 4), (32, 512, 4, 4), (64, 512, 4, 3), (32, 256, 4, 5), (64, 128, 4, 6),
-              (128, 256, 8, 3), (32, 1024, 4, 3), (16, 512, 4, 4), (64, 256, 8, 4)]  # fmt: skip
+# --sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages) for fp8 weights (every M takes tl.dot with
+# f16 operands), each at the splits of ``_splits`` (128x128 block scales: BLOCK_N <= 128, all
+# here). Under 4 warps tl.dot is mma.sync (64 rows a warp share x's fragments), from 4 warps and
+# 64 rows wgmma (tests/sm90_compile.py: instructions per byte).
+_SWEEP = [
+    (128, 128, 2, 4), (128, 256, 2, 3), (64, 256, 2, 4), (64, 128, 2, 6), (64, 256, 1, 3),
+    (32, 256, 1, 4), (64, 256, 4, 4), (64, 256, 4, 3), (64, 512, 4, 3), (64, 128, 4, 6),
+    (128, 128, 8, 4), (128, 256, 8, 3), (16, 256, 1, 6),
+]  # fmt: skip
+SPLITS = (2, 4)
 
 
 def weights(layout: str, n: int, k: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
@@ -52,13 +57,19 @@ def nbytes(m: int, n: int, k: int, w: torch.Tensor, s: torch.Tensor | None) -> i
     return w.numel() * w.element_size() + scale + (m * k + m * n) * DT.itemsize
 
 
+def _splits(n: int, k: int, bn: int, bk: int, sms: int) -> list[int]:
+    """Unsplit and the heuristic's split; SPLITS too where the N tiles are under one per SM."""
+    few = math.ceil(n / bn) < sms
+    splits = (1, split_k_for(n, k, bn, bk, sms), *(SPLITS if few else ()))
+    return [s for s in dict.fromkeys(splits) if s * bk <= k]
+
+
 def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[tuple]:
     pick = gemv_config(m, n, k, sms, W_SCALE[layout])
     if not sweep or layout == "bf16":
         return [pick]
-    tiles = _SWEEP_M1 if m == 1 else _SWEEP_DOT
-    more = [(bn, bk, split_k_for(n, k, bn, bk, sms), w, st) for bn, bk, w, st in tiles]
-    return [pick] + [c for c in dict.fromkeys(more) if c != pick and c[1] <= k]
+    more = [(bn, bk, s, w, st) for bn, bk, w, st in _SWEEP for s in _splits(n, k, bn, bk, sms)]
+    return [pick] + [c for c in dict.fromkeys(more) if c != pick]
 
 
 def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: float,

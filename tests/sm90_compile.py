@@ -1,5 +1,6 @@
-"""Compile the attention kernels for sm_90 without a GPU (Triton's own ptxas), and summarize
-what came out: ``python tests/sm90_compile.py`` prints one JSON object per kernel variant.
+"""Compile the attention and GEMV kernels for sm_90 without a GPU (Triton's own ptxas), and
+summarize what came out: ``python tests/sm90_compile.py [PREFIX ...]`` prints one JSON object
+per kernel variant (those whose names start with a PREFIX: ``decode``, ``gemv-fp8``, ...).
 
 The interpreter runs a kernel's Python, not its compilation: a GPU-only error (a non-constexpr
 global read in a jit function, a conversion the backend lacks) or a lost optimization (loads
@@ -7,7 +8,11 @@ that are not pipelined) shows only here or on the GPU. Run in a process of its o
 ``TRITON_INTERPRET``: the kernels must be ``JITFunction`` objects. Each summary gives the shared
 memory, registers and stack (spills), the number of ``cp.async`` copies, bulk tensor copies
 (TMA) and warpgroup MMAs (``wgmma``) in the PTX, and the loads of the innermost loops that
-stayed synchronous (``tt.load`` of a tensor in the TTGIR's innermost ``scf.for`` bodies)."""
+stayed synchronous (``tt.load`` of a tensor in the TTGIR's innermost ``scf.for`` bodies); a
+GEMV's (``gemv-*``) gives its registers and stack, and its main loop's instruction mix: per
+thread and K step, the PTX instructions by kind (``cvt``, ``fma``, ``mma``, ``wgmma``, global
+loads and ``cp.async``, shared loads) and the SASS instructions in all, each also per byte of
+weight the thread streams."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import decode, prefill, rope  # noqa: E402
+from kernels import decode, gemv, prefill, rope  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # runtime ints that a launch does not specialize as multiples of 16 (the rest are pointers and
@@ -102,27 +107,115 @@ def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
     return _compile(rope._rope_write_kv_kernel, ptrs, consts, num_warps=4, enable_fp_fusion=False)
 
 
+def gemv_kernel(
+    w: str,
+    x: str = "bf16",
+    m: int = 1,
+    tile=(8, 2048, 8, 3),
+    w_scale: int = 0,
+    x_rows: int | None = None,
+):
+    """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit, K a multiple of BLOCK_K;
+    ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1 or 2), ``tile``: (BLOCK_N,
+    BLOCK_K, num_warps, num_stages)."""
+    ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
+            "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
+    fp8 = w_scale > 0
+    dot = m > 1 or fp8
+    consts = dict(HAS_BIAS=False, SPLIT=False, USE_DOT=dot, EVEN_K=True,
+                  BLOCK_M=16 if dot else 1, BLOCK_N=tile[0], BLOCK_K=tile[1],
+                  NUM_STAGES=tile[3], MERGE_S=1, CHAIN=True, W_SCALE=w_scale,
+                  DOT_PRECISION="ieee" if x == "fp32" else "tf32",
+                  X_ROWS=x_rows or (triton.next_power_of_2(m) if fp8 else 16 if dot else 1),
+                  F16_DOT=fp8 and x != "fp32")  # fmt: skip
+    return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3])
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def resources(kernel) -> dict:
     """Registers per thread and the stack frame (where spills go) of the cubin, read by the
     ``cuobjdump`` that ships with Triton (``CompiledKernel.n_regs`` / ``n_spills`` are only
     filled in when the kernel is loaded on a GPU)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
     regs, stack, local = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out).groups()
     return {"regs": int(regs), "stack_bytes": int(stack), "local_bytes": int(local)}
 
 
+def _first_loop(lines: list[str], label: str, branch: str) -> list[str]:
+    """The body of the first loop in ``lines``: from a line matching ``label`` to the first later
+    line matching ``branch`` with the same group 1 (a jump back to that label)."""
+    starts = {}
+    for i, line in enumerate(lines):
+        if m := re.match(label, line):
+            starts[m[1]] = i
+        elif (m := re.search(branch, line)) and m[1] in starts:
+            return lines[starts[m[1]] : i + 1]
+    return []
+
+
+def _disassemble(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+_PTX_KINDS = {
+    "cvt": ("cvt.",),
+    "fma": ("fma.",),
+    "mma": ("mma.",),
+    "wgmma": ("wgmma.mma",),
+    "ld_global": ("ld.global", "cp.async.c"),
+    "ld_shared": ("ld.shared", "ldmatrix"),
+}
+
+
+def loop_mix(kernel, weight_bytes: int) -> dict:
+    """The main loop's instructions per thread and K step: PTX by kind, SASS in all; and each
+    per byte of weight the thread streams a step (``weight_bytes``)."""
+    ptx = _first_loop(kernel.asm["ptx"].splitlines(), r"(\$L__BB\w+):",
+                        r"\bbra(?:\.uni)?\s+(\$L__BB\w+);")  # fmt: skip
+    ops = [s.split()[0] for s in (re.sub(r"^\s*@!?%p\d+\s+", "", s) for s in ptx) if s.strip()]
+    mix = {k: sum(op.startswith(p) for op in ops) for k, p in _PTX_KINDS.items()}
+    sass = _first_loop(_disassemble(kernel).splitlines(), r"(\.L_x_\d+):",
+                         r"BRA\s+`?\(?(\.L_x_\d+)")  # fmt: skip
+    mix["sass"] = sum(bool(re.match(r"\s*/\*[0-9a-f]+\*/", s)) for s in sass)
+    per_byte = {k: round(v / weight_bytes, 3) for k, v in mix.items()}
+    return {**mix, "bytes": weight_bytes, "per_byte": per_byte}
+
+
+def gemv_summary(
+    w: str,
+    x: str = "bf16",
+    m: int = 1,
+    tile=(8, 2048, 8, 3),
+    w_scale: int = 0,
+    x_rows: int | None = None,
+) -> dict:
+    kernel = gemv_kernel(w, x, m, tile, w_scale, x_rows)
+    size = {"fp8e4nv": 1, "fp32": 4}.get(w, 2)
+    per_thread = tile[0] * tile[1] * size // (32 * tile[2])
+    return {"shared": kernel.metadata.shared, **resources(kernel),
+            "loop": loop_mix(kernel, per_thread)}  # fmt: skip
+
+
 def summary(kernel) -> dict:
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    # the innermost loops (the KV loops, not the Hopper path's persistent loop around them)
+    # the pipelined innermost loops (the KV loops: not the Hopper path's persistent loop
+    # around them, nor decode's merge of the splits, which copies nothing ahead)
     loop = ""
     for m in re.finditer("scf.for", ttgir):
         body = ttgir[m.end() : ttgir.find("scf.yield", m.end())]
-        loop += "" if "scf.for" in body else body
+        if "scf.for" not in body and "copy_global_to_local" in body:
+            loop += body
     return {
         "shared": kernel.metadata.shared,
         **resources(kernel),
@@ -161,8 +254,29 @@ VARIANTS = {
     "prefill-hopper-d256": lambda: hopper_prefill_kernel(256, 64),
     "rope-fp8": lambda: rope_kernel(True),
 }  # fmt: skip
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the heuristic's tiles (kernels.gemv.gemv_config) for
+# bf16 weights (M = 1, M > 1) and fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps
+# of 64 rows, ``-mma2``)
+GEMV_VARIANTS = {
+    "gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3)),
+    "gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3)),
+    "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
+    "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=1),
+    "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", "fp16", tile=(64, 256, 4, 4),
+                                                     w_scale=1),
+    "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=2),
+    "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=2),
+    "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=1),
+    "gemv-fp8-channel-m8-mma2": lambda: gemv_summary("fp8e4nv", m=8, tile=(128, 128, 2, 4),
+                                                     w_scale=1),
+    "gemv-fp8-channel-m16": lambda: gemv_summary("fp8e4nv", m=16, tile=(64, 256, 4, 4),
+                                                 w_scale=1),
+    "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=2),
+}  # fmt: skip
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or VARIANTS:
-        print(json.dumps({"variant": name, **summary(VARIANTS[name]())}), flush=True)
+    everything = {**VARIANTS, **GEMV_VARIANTS}
+    for name in [v for v in everything if any(v.startswith(a) for a in sys.argv[1:] or [""])]:
+        row = GEMV_VARIANTS[name]() if name in GEMV_VARIANTS else summary(VARIANTS[name]())
+        print(json.dumps({"variant": name, **row}), flush=True)

@@ -134,9 +134,22 @@ def test_fp8_gemv_matches_dequantized_reference(dtype, m, n, k, scales, bias):
     assert_close(out, _ref(x, q, scale, b), TOL[dtype], f"{scales} M={m} N={n} K={k}")
 
 
+@pytest.mark.parametrize("scales", ["channel", "block"])
+def test_fp8_gemv_every_m(scales):
+    """M = 1..16 (x's rows loaded as the next power of two, repeated to the dot's 16), fp16
+    activations, odd N and K (a K tail)."""
+    n, k = 75, 333
+    q, scale = _weight(n, k, scales)
+    for m in range(1, 17):
+        x = torch.randn(m, k, device=DEVICE).half()
+        out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float16)
+        linear_small_m(x, q, out=out, weight_scale=scale)
+        assert_close(out, _ref(x, q, scale), TOL[torch.float16], f"{scales} M={m}")
+
+
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): K tiles under one 128-block (one scale
-# per tile), over several blocks with a K tail, split K (scales per row apply once, after the
-# split sum)
+# per tile), over several blocks (128-column parts) with a K tail, split K (scales per row apply
+# once, after the split sum)
 FP8_CONFIGS = [(16, 64, 3, 4, 2), (32, 256, 2, 4, 2), (16, 128, 8, 4, 2), (64, 512, 1, 4, 2)]
 
 
@@ -152,13 +165,41 @@ def test_fp8_gemv_configs_and_split_k(config, m, scales):
     assert_close(out, _ref(x, q, scale, b), TOL[torch.float16], f"{scales} {config}")
 
 
+def _bf16_rows(m: int, k: int, magnitudes: list[float]) -> torch.Tensor:
+    """bf16 activations whose row i has magnitude ``magnitudes[i % len]`` (the largest element
+    of a row is about 4x that)."""
+    mag = torch.tensor(magnitudes, device=DEVICE).repeat(-(-m // len(magnitudes)))[:m, None]
+    return (torch.randn(m, k, device=DEVICE) * mag).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("scales", ["channel", "block"])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_gemv_bf16_rows_outside_f16_range(scales, m):
+    """bf16 x meets f16 operands: rows past 65504 (they would be inf) or with no element over
+    2^-10 (subnormal in f16) are scaled by a power of two and their steps run again; rows in
+    range beside them stay right. The interpreter reads bf16 and widens it correctly."""
+    n, k = 96, 300
+    q, scale = _weight(n, k, scales)
+    for magnitudes in ([1e5], [3e-5], [1.0, 2e5, 1e-6, 0.5], [0.0, 1.0]):
+        x = _bf16_rows(m, k, magnitudes)
+        got = linear_small_m(x, q, weight_scale=scale).float()
+        ref = _ref(x, q, scale)
+        for i in range(m):  # each row against its own size: a huge row would hide a tiny one
+            what = f"{scales} M={m} row {i} of magnitude {magnitudes[i % len(magnitudes)]:g}"
+            if ref[i].abs().max() == 0:
+                assert (got[i] == 0).all(), what
+            else:
+                assert_close(got[i], ref[i], TOL[torch.bfloat16], what)
+
+
 def test_fp8_gemv_heuristic_tiles():
-    """fp8 tiles: no split at Llama-3-8B shapes on an H100, 128x128 blocks' rows shared."""
+    """fp8 tiles: no split at Llama-3-8B shapes on an H100, 128x128 blocks' rows shared; every
+    M on tl.dot (BLOCK_N >= 16)."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for m in (1, 8, 16):
             for w_scale in (1, 2):
                 block_n, block_k, split, _, _ = gemv_config(m, n, k, 132, w_scale)
-                assert split == 1 and k % block_k == 0 and block_n <= 128, (m, n, k, w_scale)
+                assert split == 1 and k % block_k == 0 and 16 <= block_n <= 128, (m, n, k)
 
 
 def test_fp8_gemv_errors():
@@ -171,6 +212,7 @@ def test_fp8_gemv_errors():
         "scale dtype": (q, scale.half(), None),
         "scale of a float weight": (q.half(), scale, None),
         "BLOCK_N 256 with blocks": (qb, bscale, (256, 64, 1, 4, 2)),
+        "BLOCK_N 8 (tl.dot)": (q, scale, (8, 64, 1, 4, 2)),
     }
     for what, (w, s, config) in bad.items():
         with pytest.raises(ValueError):
@@ -225,15 +267,43 @@ def test_fp8_linear_off_cuda_is_the_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
 @pytest.mark.parametrize("scales", ["channel", "block"])
 def test_fp8_gemv_llama_shapes_bf16(n, k, m, scales):
+    """Llama-3-8B shapes, the heuristic's tiles (gate_up: mma.sync, the others wgmma)."""
     q, scale = _weight(n, k, scales)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = linear_small_m(x, q, b, weight_scale=scale)
     assert_close(out, _ref(x, q, scale, b), TOL[torch.bfloat16], f"{scales} M={m} N={n} K={k}")
+
+
+# one tile of each kind ``kernels.bench_fp8 --sweep`` times: mma.sync with 2 warps of 64 rows and
+# with 1, wgmma with 4 warps (BLOCK_K 256: two block-scale parts, and 128) and 8; unsplit and
+# split in 3
+SWEEP_KINDS = [
+    (128, 128, 2, 4),
+    (64, 256, 1, 3),
+    (64, 256, 4, 4),
+    (64, 128, 4, 6),
+    (128, 128, 8, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", SWEEP_KINDS)
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("scales", ["channel", "block"])
+def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
+    """Each kind of tile the sweep times (their layouts exist only on the GPU: the interpreter
+    runs none of them), bf16 x, M = 1, 5 and 16, K with a tail."""
+    n, k = 1000, 4000
+    q, scale = _weight(n, k, scales)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = linear_small_m(x, q, weight_scale=scale, config=(*tile[:2], split, *tile[2:]))
+        assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m}")
 
 
 @pytest.mark.gpu

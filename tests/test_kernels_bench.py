@@ -4,6 +4,7 @@ here; its numbers only mean something on the GPU (docs/benchmarks/kernels.md).""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -104,6 +105,29 @@ def test_fp8_gemv_bench_times_every_layout(tmp_path):
     assert all(r["rel_err"] <= bench_fp8.MAX_ERR and r["pick_us"] > 0 for r in rows)
     size = {r["layout"]: r["bytes"] for r in rows if r["M"] == 1}
     assert size["fp8-channel"] < 0.6 * size["bf16"] and size["fp8-block"] < 0.6 * size["bf16"]
+
+
+def test_fp8_gemv_sweep_covers_both_dot_kinds_and_splits():
+    """``--sweep`` on a 132-SM GPU: the heuristic's pick first, mma.sync (1, 2 warps) and wgmma
+    (4, 8) tiles, K splits where the N tiles are under one per SM only, no split shorter than
+    one K tile, block scales only with BLOCK_N <= 128."""
+    from kernels import bench_fp8
+    from kernels.gemv import gemv_config
+
+    for layout, w_scale in (("fp8-channel", 1), ("fp8-block", 2)):
+        for (n, k), m in itertools.product([(4096, 4096), (28672, 4096), (4096, 14336)], (1, 8)):
+            cfgs = bench_fp8.configs(layout, m, n, k, 132, sweep=True)
+            assert cfgs[0] == gemv_config(m, n, k, 132, w_scale) and len(set(cfgs)) == len(cfgs)
+            assert {c[3] for c in cfgs} >= {1, 2, 4, 8}, cfgs  # warps
+            assert all(c[2] * c[1] <= k for c in cfgs)
+            assert all(c[2] == 1 or -(-n // c[0]) < 132 or c == cfgs[0] for c in cfgs)
+            if n == 4096:  # 32 to 256 tiles: split 2 and 4 timed beside unsplit
+                assert {c[2] for c in cfgs} >= {1, 2, 4}, cfgs
+            if layout == "fp8-block":
+                assert all(c[0] <= 128 for c in cfgs), cfgs
+    assert bench_fp8.configs("bf16", 1, 4096, 4096, 132, sweep=True) == [
+        gemv_config(1, 4096, 4096, 132)
+    ]
 
 
 def test_fp8_kv_grid_counts_the_bytes_it_reads(tmp_path, capsys):

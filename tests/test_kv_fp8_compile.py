@@ -22,8 +22,8 @@ def compiled() -> dict[str, dict]:
         pytest.skip("this Triton has no bundled ptxas to compile for sm_90 with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default Triton 3.9 warns it will change
-    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env,
-                         timeout=600)  # fmt: skip
+    run = subprocess.run([sys.executable, str(SCRIPT), "decode", "prefill", "rope"],
+                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     return {r["variant"]: r for r in rows}
@@ -31,10 +31,10 @@ def compiled() -> dict[str, dict]:
 
 def test_every_variant_compiles_for_sm90(compiled):
     # (not imported here: the script drops TRITON_INTERPRET, which this process needs)
-    assert set(compiled) == {
-        "decode-bf16", "decode-fp8", "decode-fp8-d256-window-softcap", "decode-fp8-fp32",
-        "prefill-fp8", "prefill-fp8-d256-window-softcap", "rope-fp8",
-    }  # fmt: skip
+    fp8 = {"decode-bf16", "decode-fp8", "decode-fp8-d256-window-softcap", "decode-fp8-fp32",
+           "prefill-fp8", "prefill-fp8-d256-window-softcap", "rope-fp8"}  # fmt: skip
+    assert fp8 <= set(compiled), set(compiled)
+    assert all(row["shared"] > 0 or name.startswith("rope") for name, row in compiled.items())
 
 
 def test_fp8_scale_loads_are_copied_ahead_with_the_tiles(compiled):
@@ -42,7 +42,7 @@ def test_fp8_scale_loads_are_copied_ahead_with_the_tiles(compiled):
     over a bf16 cache); the bf16 scales go through cp.async with the K/V tiles."""
     for name, row in compiled.items():
         if name.startswith(("decode", "prefill")):
-            assert row["cp_async"] > 0, row
+            assert row["cp_async"] + row["tma_loads"] > 0, row
             assert all("i32" in t for t in row["loop_loads"]), row
 
 
