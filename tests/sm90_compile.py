@@ -192,15 +192,9 @@ def loop_mix(kernel, weight_bytes: int) -> dict:
     return {**mix, "bytes": weight_bytes, "per_byte": per_byte}
 
 
-def gemv_summary(
-    w: str,
-    x: str = "bf16",
-    m: int = 1,
-    tile=(8, 2048, 8, 3),
-    w_scale: int = 0,
-    x_rows: int | None = None,
-) -> dict:
-    kernel = gemv_kernel(w, x, m, tile, w_scale, x_rows)
+def gemv_summary(w: str, tile=(8, 2048, 8, 3), **options) -> dict:
+    """``gemv_kernel(w, tile=tile, **options)``'s resources and main-loop mix."""
+    kernel = gemv_kernel(w, tile=tile, **options)
     size = {"fp8e4nv": 1, "fp32": 4}.get(w, 2)
     per_thread = tile[0] * tile[1] * size // (32 * tile[2])
     return {"shared": kernel.metadata.shared, **resources(kernel),
@@ -262,7 +256,7 @@ GEMV_VARIANTS = {
     "gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3)),
     "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
     "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=1),
-    "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", "fp16", tile=(64, 256, 4, 4),
+    "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", x="fp16", tile=(64, 256, 4, 4),
                                                      w_scale=1),
     "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=2),
     "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=2),
