@@ -51,6 +51,8 @@ stay on the portable path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -63,6 +65,9 @@ from kernels.common import (
     softcap_log2,
 )
 from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
+
+if TYPE_CHECKING:
+    from kernels.prefill_gluon import GluonConfig
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them only the portable path runs
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -408,7 +413,9 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return 128, 64, 8, 2
 
 
-PATHS = ("auto", "portable", "hopper")
+PATHS = ("auto", "portable", "hopper")  # the engine's choices (EngineConfig.prefill_path)
+# kernel-level only until its GPU tests pass: no engine start-up checks cover it yet
+OPT_IN_PATHS = ("gluon",)
 HOPPER_MIN_PAGE = 64  # "auto" takes the Hopper path from here: KV tiles of >= 64 keys
 HOPPER_HEAD_DIMS = (64, 128, 256)  # a descriptor block is [BLOCK_N, D]: a power of two
 HOPPER_SMEM = 225 << 10  # H100: 227 KiB of shared memory per block, less barriers and scratch
@@ -464,12 +471,31 @@ def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) 
             for x in (k_cache, v_cache)]  # fmt: skip
 
 
+def _gluon_config(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, config):
+    """The Gluon kernel's module and config for ``path="gluon"``; ValueError with the reason
+    if it cannot take these inputs (its own refusals, then the Hopper path's pool and
+    descriptor checks, which it shares). The module is imported only here: Gluon's API moves
+    between Triton versions, and the other paths must not depend on it."""
+    from kernels import prefill_gluon as pg
+
+    if config is not None and not isinstance(config, pg.GluonConfig):
+        raise ValueError(f'path="gluon" takes a GluonConfig as config, got {config!r}')
+    cfg = config or pg.gluon_config(q.shape[2], q.dtype, k_cache.shape[1])
+    cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    why = pg.gluon_refusal(q, k_cache, window, softcap, fp8, cfg, cap) or hopper_refusal(
+        q, k_cache, v_cache, fp8, cfg.block_n
+    )
+    if why:
+        raise ValueError(f"prefill: the Gluon path cannot run this: {why}")
+    return pg, cfg
+
+
 def _pick_path(path: str, q, k_cache, v_cache, fp8: bool, config) -> tuple[bool, tuple]:
     """(whether the Hopper path runs, the 5-entry config; programs_per_sm 0 on the portable
     path): ``"auto"`` takes the Hopper path on sm_90 with pages of >= HOPPER_MIN_PAGE tokens
     when the inputs allow it; ``"hopper"`` raises ValueError if they do not."""
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if not isinstance(config, (tuple, list, type(None))):
+        raise ValueError(f'config {config!r} is for path="gluon"; this path takes a tuple')
     d, page = q.shape[2], k_cache.shape[1]
     if path != "portable":
         cfg = tuple(config) if config else hopper_config(d, q.dtype, page)
@@ -499,7 +525,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     *,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, ...] | GluonConfig | None = None,
     window: int = 0,
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
@@ -515,7 +541,10 @@ def prefill_attention(
     loop, one program per work item). ``path``: ``"portable"`` (the default until the Hopper
     path's GPU tests and timings are in: it was built without a GPU), ``"auto"`` (the Hopper
     path on sm_90 with pages of >= 64 tokens when the inputs allow it, else the portable one),
-    or ``"hopper"`` (ValueError if the inputs do not allow it: ``hopper_refusal``). ``window`` >
+    or ``"hopper"`` (ValueError if the inputs do not allow it: ``hopper_refusal``), or
+    ``"gluon"`` (``kernels.prefill_gluon``, FlashAttention-3 style, sm_90 only, never picked by
+    ``"auto"``; ``config`` is then a ``GluonConfig``; ValueError with the reason if the inputs
+    do not fit it: windows, soft-capping, fp8 and fp32 are refused). ``window`` >
     0: a query at position p sees keys ``p - window < j <= p`` only, and the pages left of its
     window are not read; ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``
     (0: off). An fp8 cache (``float8_e4m3fn`` pages) comes with its scale pools
@@ -548,10 +577,18 @@ def prefill_attention(
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous head dim")
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    if path not in PATHS + OPT_IN_PATHS:
+        raise ValueError(f"path must be one of {PATHS + OPT_IN_PATHS}, got {path!r}")
+    if path == "gluon":  # refused before the empty-batch return: the answer must not depend on T
+        gluon, gluon_cfg = _gluon_config(q, k_cache, v_cache, fp8, window, softcap, config)
     if t == 0 or bsz == 0:
         return (out, lse) if return_lse else out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if path == "gluon":
+        gluon.gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                            max_query_len, out, lse, gluon_cfg)  # fmt: skip
+        return (out, lse) if return_lse else out
 
     hopper, (block_m, block_n, num_warps, num_stages, per_sm) = _pick_path(
         path, q, k_cache, v_cache, fp8, config

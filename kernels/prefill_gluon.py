@@ -64,6 +64,11 @@ WG_M = 64
 GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SMEM = 227 << 10  # H100: shared memory per block (232,448 bytes)
+SMEM_SPARE = 1 << 10  # barriers and the partitions' captured arguments: 312 bytes (sm90_compile)
+# 12 warps a CTA (two consumer warpgroups, the producer's, of which 3 warps idle) and 64K
+# registers: 168 per thread at launch, then setmaxnreg moves them between warpgroups; the
+# first consumer (the default partition) gets what the other two leave: 3 * 168 - c - p
+MAXNREG = 168
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +88,14 @@ class GluonConfig:
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128, 256) or self.stages < 2:
-            raise ValueError(f"GluonConfig: block_n a power of two in [16, 256], stages >= 2: {self}")
-        if self.consumer_regs % 8 or self.producer_regs % 8 or self.programs_per_sm < 1:
-            raise ValueError(f"GluonConfig: registers multiples of 8, programs_per_sm >= 1: {self}")
+            raise ValueError(f"GluonConfig: block_n a power of 2 in [16, 256], stages >= 2: {self}")
+        regs = (self.consumer_regs, self.producer_regs)
+        if any(r % 8 or not 24 <= r <= 256 for r in regs) or self.programs_per_sm < 1:
+            raise ValueError(f"GluonConfig: registers multiples of 8 in [24, 256], "
+                             f"programs_per_sm >= 1: {self}")  # fmt: skip
+        if 2 * self.consumer_regs + self.producer_regs > 3 * MAXNREG:
+            raise ValueError(f"GluonConfig: 2 * consumer_regs + producer_regs > {3 * MAXNREG} "
+                             f"(64K registers over 384 threads): {self}")  # fmt: skip
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """Q of both warpgroups and the K/V ring (barriers and scratch not counted)."""
@@ -93,26 +103,30 @@ class GluonConfig:
 
 
 def gluon_config(head_dim: int, dtype: torch.dtype, page: int) -> GluonConfig:
-    """The default: 128-key tiles cut to the page, as many stages as shared memory holds
-    beside Q (up to 4; d128 page 128: 2 stages in 160 KiB, 3 would need 224 KiB plus the
-    layout conversions' scratch). Not measured: ``python -m kernels.bench --sweep gluon``."""
+    """The default: 128-key tiles (64 at d256, where O takes 128 registers a thread) cut to
+    the page, as many stages as shared memory holds beside Q, up to 4 (d128 page 128: 3 in
+    229,736 bytes; page 64: 4 in 164,200; sm90_compile). Not measured: ``python -m
+    kernels.bench --sweep gluon`` times the alternatives."""
     del dtype
     bn = min(128 if head_dim <= 128 else 64, page)
     stages = 2
-    while stages < 4 and GluonConfig(bn, stages + 1).smem_bytes(head_dim) <= SMEM - (8 << 10):
+    while stages < 4 and GluonConfig(bn, stages + 1).smem_bytes(head_dim) <= SMEM - SMEM_SPARE:
         stages += 1
     return GluonConfig(block_n=bn, stages=stages)
 
 
 def gluon_refusal(q: torch.Tensor, k_cache: torch.Tensor, window: int, softcap: float, fp8: bool,
-                  cfg: GluonConfig) -> str | None:  # fmt: skip
-    """Why the Gluon kernel cannot take these inputs (beyond ``hopper_refusal``'s pool and
-    descriptor checks, which it shares); None if it can."""
+                  cfg: GluonConfig, capability: tuple[int, int] | None) -> str | None:  # fmt: skip
+    """Why the Gluon kernel cannot take these inputs on a device of ``capability`` (None: not
+    a CUDA device), beyond ``hopper_refusal``'s pool and descriptor checks, which it shares;
+    None if it can."""
     _, page, _, d = k_cache.shape
     if not HAVE_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "the Gluon kernel is written for sm_90 (wgmma, setmaxnreg): an H100/H200 only"
+    if capability != (9, 0):
+        return (f"the Gluon kernel is written for sm_90 (wgmma, setmaxnreg; H100/H200), not "
+                f"{'a CPU tensor' if capability is None else f'sm_{capability[0]}{capability[1]}'}"
+                f" (no interpreter runs Gluon in Triton 3.6)")  # fmt: skip
     if window or softcap:
         return "sliding windows and soft-capping take the portable or Hopper path"
     if fp8:
@@ -123,7 +137,7 @@ def gluon_refusal(q: torch.Tensor, k_cache: torch.Tensor, window: int, softcap: 
         return f"head dim {d}: the Gluon kernel takes {GLUON_HEAD_DIMS}"
     if page < cfg.block_n:
         return f"page {page} < block_n {cfg.block_n}: a KV tile must lie in one page"
-    if cfg.smem_bytes(d) > SMEM - (2 << 10):
+    if cfg.smem_bytes(d) > SMEM - SMEM_SPARE:
         return f"{cfg} needs {cfg.smem_bytes(d):,} bytes of shared memory at head dim {d}"
     return None
 
@@ -158,12 +172,12 @@ if HAVE_GLUON:
         return item, n_tiles - 1 - item // per_row, item % n_heads, item % per_row // n_heads
 
     @gluon.jit
-    def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, CuSeqlensQ, SeqLens,
-                  BlockTables, stride_btb, n_tiles, n_heads, n_seqs, GROUP: gl.constexpr,
-                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _producer(args, GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr):  # fmt: skip
         """One warp: every KV tile of every item of this program, in the consumers' order,
-        two bulk copies into the next free stage."""
+        two bulk copies into the next free stage (``args``: the kernel's, as it packs them)."""
+        (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, CuSeqlensQ, SeqLens,
+         BlockTables, stride_btb, n_tiles, n_heads, n_seqs) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         pid = gl.program_id(0)
         progs = gl.num_programs(0)
@@ -396,14 +410,14 @@ if HAVE_GLUON:
         args = (k_bufs, v_bufs, k_ready, v_ready, empty, turns, Q, CuSeqlensQ, SeqLens, Out, Lse,
                 qk_scale, n_tiles, n_heads, n_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_lt, stride_lh)  # fmt: skip
+        loads = (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, CuSeqlensQ, SeqLens,
+                 BlockTables, stride_btb, n_tiles, n_heads, n_seqs)  # fmt: skip
         gl.warp_specialize(
             [
                 (_consumer, (0, q_smem.index(0), args, STORE_LSE, PINGPONG, STAGES)),
                 (_consumer, (1, q_smem.index(1), args, STORE_LSE, PINGPONG, STAGES)),
-                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
-                             CuSeqlensQ, SeqLens, BlockTables, stride_btb, n_tiles, n_heads,
-                             n_seqs, GROUP, PAGE, BLOCK_N, STAGES)),
-            ],  # fmt: skip
+                (_producer, (loads, GROUP, PAGE, BLOCK_N, STAGES)),
+            ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
         )
@@ -427,5 +441,5 @@ def gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sca
         0 if lse is None else lse.stride(1),
         GROUP=hq // hkv, PAGE=k_cache.shape[1], STORE_LSE=lse is not None, STAGES=cfg.stages,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip

@@ -30,8 +30,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from kernels import decode, gemv, prefill, rope  # noqa: E402
+from kernels import decode, gemv, prefill, prefill_gluon, rope  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # runtime ints that a launch does not specialize as multiples of 16 (the rest are pointers and
@@ -41,6 +42,9 @@ UNALIGNED = {"window", "num_splits", "min_split", "stride_btb", "eps", "n_tiles"
 
 
 def _compile(jit, pointers: dict, consts: dict, **options):
+    """``jit`` (a Triton or Gluon kernel) for sm_90: ``pointers`` maps argument names to their
+    types (``*bf16``, ``tensordesc<...>``), ``consts`` the constexprs; other arguments are
+    i32 (fp32 for the scales)."""
     sig, attrs = {}, {}
     for i, name in enumerate(jit.arg_names):
         if name in consts:
@@ -53,7 +57,8 @@ def _compile(jit, pointers: dict, consts: dict, **options):
             sig[name] = "fp32" if name in ("qk_scale", "cap_in", "cap_out", "eps") else "i32"
             if name not in UNALIGNED and sig[name] == "i32":
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(jit, sig, constexprs=consts, attrs=attrs)
+    source = GluonASTSource if jit.is_gluon() else ASTSource
+    src = source(jit, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options=options)
 
 
@@ -93,6 +98,21 @@ def hopper_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt="bf16"):
     desc = f"tensordesc<{dt}[{cfg[1]}, {d}]>"
     return prefill_kernel(False, dt, d, cfg, PAGE=page, TMA=True, PERSISTENT=True,
                           _types={"K": desc, "V": desc})  # fmt: skip
+
+
+def gluon_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt: str = "bf16"):
+    """The Gluon kernel (``path="gluon"``) as ``gluon_prefill`` launches it; ``cfg`` a
+    ``GluonConfig``, by default ``gluon_config``'s."""
+    pg = prefill_gluon
+    cfg = cfg or pg.gluon_config(d, torch.bfloat16, page)
+    layout = pg.gl.NVMMASharedLayout.get_default_for([cfg.block_n, d], pg._GL_DTYPES[
+        {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]])  # fmt: skip
+    desc = f"tensordesc<{dt}[{cfg.block_n}, {d}],{layout!r}>"
+    ptrs = {"Q": f"*{dt}", "k_desc": desc, "v_desc": desc, "CuSeqlensQ": "*i32",
+            "SeqLens": "*i32", "BlockTables": "*i32", "Out": f"*{dt}", "Lse": "*fp32"}  # fmt: skip
+    consts = dict(GROUP=4, PAGE=page, STORE_LSE=True, STAGES=cfg.stages, PINGPONG=cfg.pingpong,
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)  # fmt: skip
+    return _compile(pg._gluon_prefill_kernel, ptrs, consts, num_warps=4, maxnreg=pg.MAXNREG)
 
 
 def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
@@ -201,6 +221,31 @@ def gemv_summary(w: str, tile=(8, 2048, 8, 3), **options) -> dict:
             "loop": loop_mix(kernel, per_thread)}  # fmt: skip
 
 
+def gluon_summary(kernel) -> dict:
+    """A warp-specialized Gluon kernel: shared memory, the launch's registers and stack, the
+    SASS's local-memory stores and loads (spills; the 2 stores at entry, if any, save the
+    partitions' captured scalars), the partitions' warps and requested registers (TTGIR), the
+    ``setmaxnreg`` values in the PTX, and the PTX counts of TMA copies, ``wgmma`` and
+    ``wgmma.wait_group`` by depth (1: a wgmma left in flight under the softmax)."""
+    ttgir, ptx, sass = kernel.asm["ttgir"], kernel.asm["ptx"], _disassemble(kernel)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    warps = re.findall(r'"ttg.num-warps" = (\d+)|num_warps\((\d+)\)', ttgir)
+    regs = re.search(r"requestedRegisters = array<i32: ([^>]*)>", ttgir)[1]
+    maxnreg = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)
+    return {
+        "shared": kernel.metadata.shared,
+        **resources(kernel),
+        "stl": len(re.findall(r"\bSTL\b", sass)),
+        "ldl": len(re.findall(r"\bLDL\b", sass)),
+        "partition_warps": [int(a or b) for a, b in warps],
+        "requested_regs": [int(r) for r in regs.split(",")],
+        "setmaxnreg": sorted({int(r) for r in maxnreg}),
+        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "wgmma_waits": {d: waits.count(d) for d in sorted(set(waits))},
+    }
+
+
 def summary(kernel) -> dict:
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     # the pipelined innermost loops (the KV loops: not the Hopper path's persistent loop
@@ -248,6 +293,19 @@ VARIANTS = {
     "prefill-hopper-d256": lambda: hopper_prefill_kernel(256, 64),
     "rope-fp8": lambda: rope_kernel(True),
 }  # fmt: skip
+_GC = prefill_gluon.GluonConfig
+# the Gluon kernel: its defaults (gluon_config) per head dim and page, and the alternatives that
+# kernels.bench's gluon sweep times
+GLUON_VARIANTS = {
+    "prefill-gluon-d128-page128": lambda: gluon_prefill_kernel(),
+    "prefill-gluon-d128-page128-2stages": lambda: gluon_prefill_kernel(cfg=_GC(128, 2)),
+    "prefill-gluon-d128-page128-no-pingpong": lambda: gluon_prefill_kernel(
+        cfg=_GC(128, 3, pingpong=False)),
+    "prefill-gluon-d128-page64": lambda: gluon_prefill_kernel(page=64),
+    "prefill-gluon-d128-page128-fp16": lambda: gluon_prefill_kernel(dt="fp16"),
+    "prefill-gluon-d64": lambda: gluon_prefill_kernel(64, 64),
+    "prefill-gluon-d256": lambda: gluon_prefill_kernel(256, 64),
+}  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the heuristic's tiles (kernels.gemv.gemv_config) for
 # bf16 weights (M = 1, M > 1) and fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps
 # of 64 rows, ``-mma2``)
@@ -270,7 +328,12 @@ GEMV_VARIANTS = {
 
 
 if __name__ == "__main__":
-    everything = {**VARIANTS, **GEMV_VARIANTS}
+    everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS}
     for name in [v for v in everything if any(v.startswith(a) for a in sys.argv[1:] or [""])]:
-        row = GEMV_VARIANTS[name]() if name in GEMV_VARIANTS else summary(VARIANTS[name]())
+        if name in GEMV_VARIANTS:
+            row = GEMV_VARIANTS[name]()
+        elif name in GLUON_VARIANTS:
+            row = gluon_summary(GLUON_VARIANTS[name]())
+        else:
+            row = summary(VARIANTS[name]())
         print(json.dumps({"variant": name, **row}), flush=True)
