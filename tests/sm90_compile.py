@@ -297,14 +297,14 @@ _GC = prefill_gluon.GluonConfig
 # the Gluon kernel: its defaults (gluon_config) per head dim and page, and the alternatives that
 # kernels.bench's gluon sweep times
 GLUON_VARIANTS = {
-    "prefill-gluon-d128-page128": lambda: gluon_prefill_kernel(),
-    "prefill-gluon-d128-page128-2stages": lambda: gluon_prefill_kernel(cfg=_GC(128, 2)),
-    "prefill-gluon-d128-page128-no-pingpong": lambda: gluon_prefill_kernel(
+    "gluon-prefill-d128-page128": lambda: gluon_prefill_kernel(),
+    "gluon-prefill-d128-page128-2stages": lambda: gluon_prefill_kernel(cfg=_GC(128, 2)),
+    "gluon-prefill-d128-page128-no-pingpong": lambda: gluon_prefill_kernel(
         cfg=_GC(128, 3, pingpong=False)),
-    "prefill-gluon-d128-page64": lambda: gluon_prefill_kernel(page=64),
-    "prefill-gluon-d128-page128-fp16": lambda: gluon_prefill_kernel(dt="fp16"),
-    "prefill-gluon-d64": lambda: gluon_prefill_kernel(64, 64),
-    "prefill-gluon-d256": lambda: gluon_prefill_kernel(256, 64),
+    "gluon-prefill-d128-page64": lambda: gluon_prefill_kernel(page=64),
+    "gluon-prefill-d128-page128-fp16": lambda: gluon_prefill_kernel(dt="fp16"),
+    "gluon-prefill-d64": lambda: gluon_prefill_kernel(64, 64),
+    "gluon-prefill-d256": lambda: gluon_prefill_kernel(256, 64),
 }  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the heuristic's tiles (kernels.gemv.gemv_config) for
 # bf16 weights (M = 1, M > 1) and fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps

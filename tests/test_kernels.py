@@ -516,6 +516,69 @@ def test_prefill_hopper_refuses_fp8_and_auto_stays_portable():
     prefill_attention(*args, k_scale=sc, v_scale=sc)  # auto: the portable path
 
 
+# ---------------------------------------------------------------- prefill, the Gluon kernel
+# path="gluon" (kernels.prefill_gluon) runs on sm_90 only: Gluon has no interpreter in Triton
+# 3.6 (a gluon.jit kernel ignores TRITON_INTERPRET and asks for a GPU driver). Here: what it
+# refuses and why; its sm_90 compile is test_gluon_compile's, its results test_kernels_gpu's.
+
+
+def test_prefill_gluon_refuses_what_it_cannot_run():
+    from kernels.prefill_gluon import GluonConfig, gluon_config, gluon_refusal
+
+    k = torch.zeros(4, 128, 2, 128, dtype=torch.bfloat16)
+    q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
+    cfg = gluon_config(128, q.dtype, 128)
+    h100 = (9, 0)
+    assert gluon_refusal(q, k, 0, 0.0, False, cfg, h100) is None
+    cases = [  # (q, k, window, softcap, fp8, cfg, capability), the reason's words
+        ((q, k, 0, 0.0, False, cfg, None), "sm_90"),
+        ((q, k, 0, 0.0, False, cfg, (10, 0)), "sm_100"),
+        ((q, k, 0, 0.0, False, cfg, (8, 9)), "sm_89"),
+        ((q, k, 4096, 0.0, False, cfg, h100), "sliding windows"),
+        ((q, k, 0, 30.0, False, cfg, h100), "soft-capping"),
+        ((q, k, 0, 0.0, True, cfg, h100), "fp8"),
+        ((q.float(), k.float(), 0, 0.0, False, cfg, h100), "bf16 and fp16"),
+        ((q[..., :96], k[..., :96], 0, 0.0, False, cfg, h100), "head dim 96"),
+        ((q, k[:, :64], 0, 0.0, False, cfg, h100), "page 64 < block_n 128"),
+        ((q, k, 0, 0.0, False, GluonConfig(128, 4), h100), "shared memory"),
+    ]
+    for args, words in cases:
+        why = gluon_refusal(*args)
+        assert why and words in why, (words, why)
+
+
+def test_prefill_gluon_path_raises_with_the_reason():
+    """Through prefill_attention: a ValueError naming the reason (here, on the CPU or a GPU
+    that is not sm_90, or the window), never a quiet fall-back; configs of the other kind."""
+    from kernels.prefill_gluon import GluonConfig
+
+    kv = Paged([50], 1, 64, 64, torch.float16)
+    q = torch.randn(50, 2, 64, device=DEVICE).half()
+    on_sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    for kw, message in [
+        ({"window": 16}, "Gluon path cannot run this: sliding windows" if on_sm90 else "sm_"),
+        ({"config": (32, 32, 4, 1)}, "takes a GluonConfig"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run_prefill(q, kv, cu_of([50]), 0.125, path="gluon", **kw)
+    with pytest.raises(ValueError, match='for path="gluon"'):
+        run_prefill(q, kv, cu_of([50]), 0.125, path="hopper", config=GluonConfig(64, 2))
+
+
+def test_gluon_config_checks_and_defaults():
+    from kernels.prefill_gluon import SMEM, SMEM_SPARE, GluonConfig, gluon_config
+
+    for bad in [dict(block_n=48), dict(stages=1), dict(consumer_regs=244),
+                dict(consumer_regs=248, producer_regs=24), dict(programs_per_sm=0)]:  # fmt: skip
+        with pytest.raises(ValueError, match="GluonConfig"):
+            GluonConfig(**bad)
+    for d, page, want in [(128, 128, (128, 3)), (128, 64, (64, 4)), (64, 64, (64, 4)),
+                          (256, 64, (64, 2)), (256, 256, (64, 2))]:  # fmt: skip
+        cfg = gluon_config(d, torch.bfloat16, page)
+        assert (cfg.block_n, cfg.stages) == want, (d, page, cfg)
+        assert cfg.smem_bytes(d) <= SMEM - SMEM_SPARE
+
+
 # ---------------------------------------------------------------- sliding windows, soft-capping
 # Windows against the reference's explicit math in float64 (a query at p sees keys
 # p - window < j <= p; soft-capped scores softcap * tanh(s / softcap)).
