@@ -7,9 +7,10 @@ several input sets (KV pools, shuffled block tables, queries) totalling >= 256 M
 50 MB L2 does not serve the KV; the median over replays divided by the calls is reported.
 Peers: torch SDPA on contiguous KV (enable_gqa) and, if importable, xformers' triton_splitk
 on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA's
-FlashAttention-2 and cuDNN backends: ours portable at pages 16, 64 and 128 and the Hopper path
-(``path="hopper"``: TMA copies, persistent programs) at pages 64 and 128 (``--batches ""
---prefill 4096,16384``: the prefill table alone). The device-to-device copy bandwidth is
+FlashAttention-2 and cuDNN backends: ours portable at pages 16, 64 and 128, the Hopper path
+(``path="hopper"``: TMA copies, persistent programs) and the Gluon kernel (``path="gluon"``:
+FlashAttention-3 style, sm_90 only) at pages 64 and 128 (``--batches "" --prefill
+4096,16384``: the prefill table alone). The device-to-device copy bandwidth is
 measured in the same run and is the 100% of the decode table's % columns (GB/s: KV bytes read
 per second). ``--sweep`` times tuning variants instead. ``--kv-dtype fp8`` runs our decode and
 prefill over an fp8 cache (e4m3 pages and their bf16 scales, ``kernels.kv_quant``) instead of
@@ -30,6 +31,7 @@ each 4K one's (medians of alternated rounds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,6 +42,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from kernels.prefill_gluon import GluonConfig as G  # plain values: imports no Gluon kernel
 
 SMOKE = os.environ.get("TRITON_INTERPRET") == "1"  # CPU smoke test of this script only
 DEV = "cpu" if SMOKE else "cuda"
@@ -393,24 +397,27 @@ def decode_grid(batches, contexts, copy_gbs, have_xf, kv="bf16") -> list[dict]:
     return rows
 
 
-PREFILL_COLUMNS = (  # name, page, path: the portable kernel and the Hopper path per page
+PREFILL_COLUMNS = (  # name, page, path: the portable kernel, the Hopper path, the Gluon kernel
     ("ours_page16", 16, "portable"),
     ("ours_page64", 64, "portable"),
     ("ours_page128", 128, "portable"),
     ("hopper_page64", 64, "hopper"),
     ("hopper_page128", 128, "hopper"),
+    ("gluon_page64", 64, "gluon"),
+    ("gluon_page128", 128, "gluon"),
 )
 
 
 def prefill_table(sizes, kv="bf16") -> list[dict]:
     """Per prompt length: ours per (page, path) of PREFILL_COLUMNS, SDPA's backends. The
-    Hopper path takes bf16 caches only (``hopper_refusal``): its columns stay empty with fp8."""
+    Hopper path and the Gluon kernel take bf16 caches only (``hopper_refusal``,
+    ``gluon_refusal``): their columns stay empty with fp8."""
     rows = []
     for n in sizes:
         r = {"tokens": n, "kv_dtype": kv}
         for name, page, path in PREFILL_COLUMNS:
-            hopper_fp8 = path == "hopper" and kv == "fp8"
-            us = None if hopper_fp8 else attempt(time_prefill_ours, n, page, kv=kv, path=path)
+            no_fp8 = path in ("hopper", "gluon") and kv == "fp8"
+            us = None if no_fp8 else attempt(time_prefill_ours, n, page, kv=kv, path=path)
             r[f"{name}_us"] = us
             r[f"{name}_tflops"] = prefill_flops(n) / us / 1e6 if us else None
         for backend in ("flash", "cudnn"):
@@ -501,7 +508,13 @@ HOPPER_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages, progr
 }  # fmt: skip
 HOPPER_SWEEP_POINTS = [(16384, 128, 128), (16384, 128, 64), (4096, 128, 128), (4096, 128, 64),
                        (4096, 64, 64), (4096, 256, 64)]  # (tokens, head dim, page)  # fmt: skip
-SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill", "hopper")
+GLUON_CONFIGS = {  # head dim: [GluonConfig], the default for pages of 128 first
+    128: [G(128, 3), G(128, 2), G(128, 3, pingpong=False), G(64, 4), G(64, 3),
+          G(128, 3, consumer_regs=232, producer_regs=40), G(128, 3, programs_per_sm=2)],
+    64: [G(128, 4), G(64, 4), G(128, 4, pingpong=False), G(128, 2)],
+    256: [G(64, 2), G(64, 2, pingpong=False), G(32, 4)],
+}  # fmt: skip
+SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill", "hopper", "gluon")
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -517,7 +530,9 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
     most two waves of 3 programs per SM); page: page sizes; prefill: tile configs (TFLOP/s in
     "tflops"); hopper: the Hopper prefill path's tile configs and persistent programs per SM
     (``HOPPER_CONFIGS``) per (tokens, head dim, page), the portable kernel's default beside
-    them (variant "portable"). ``points``: (batch, context) pairs for the decode sweeps.
+    them (variant "portable"); gluon: the Gluon kernel's ``GluonConfig`` values
+    (``GLUON_CONFIGS``, as tuples) at the same points, the Hopper path's default beside them
+    (variant "hopper"). ``points``: (batch, context) pairs for the decode sweeps.
     ``kv``: our cache's dtype in every variant. Variants that lost (K/V load hints, loop
     variants, the combine kernel): docs/benchmarks/kernels-notes.md.
     """
@@ -584,6 +599,16 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
                 us = attempt(time_prefill_ours, n, page, d, kv=kv, **kw)
                 tf = prefill_flops(n) * d / D / us / 1e6 if us else None
                 rec("hopper", 1, n, (d, page, name), us, tflops=tf)
+    if "gluon" in which:  # the Hopper sweep's points; the Hopper path's default beside
+        for n, d, page in HOPPER_SWEEP_POINTS if not SMOKE else [(256, 64, 64)]:
+            variants = [("hopper", {"path": "hopper"})]
+            variants += [(cfg, {"path": "gluon", "config": cfg}) for cfg in GLUON_CONFIGS[d]
+                         if cfg.block_n <= page]  # fmt: skip
+            for cfg, kw in variants:
+                name = cfg if isinstance(cfg, str) else dataclasses.astuple(cfg)
+                us = attempt(time_prefill_ours, n, page, d, kv=kv, **kw)
+                tf = prefill_flops(n) * d / D / us / 1e6 if us else None
+                rec("gluon", 1, n, (d, page, name), us, tflops=tf)
     return res
 
 

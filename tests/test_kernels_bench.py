@@ -153,9 +153,10 @@ def test_fp8_kv_grid_counts_the_bytes_it_reads(tmp_path, capsys):
     assert pools["k_cache"].dtype == torch.float8_e4m3fn and pools["v_scale"].shape == (3, 2, 16)
 
 
-def test_prefill_table_times_both_paths_per_page(tmp_path, capsys):
-    """The prefill table alone (``--batches ""``): ours portable (pages 16, 64, 128) and the
-    Hopper path (pages 64, 128) beside SDPA's backends, in the JSON and the table."""
+def test_prefill_table_times_every_path_per_page(tmp_path, capsys):
+    """The prefill table alone (``--batches ""``): ours portable (pages 16, 64, 128), the
+    Hopper path and the Gluon kernel (pages 64, 128) beside SDPA's backends, in the JSON and
+    the table. The Gluon kernel runs on sm_90 only: on the CPU its columns stay empty."""
     from kernels import bench
 
     out = tmp_path / "prefill.json"
@@ -163,9 +164,14 @@ def test_prefill_table_times_both_paths_per_page(tmp_path, capsys):
     res = json.loads(out.read_text())
     (pre,) = res["prefill"]
     assert res["decode"] == []
-    for name, _, _ in bench.PREFILL_COLUMNS:
-        assert pre[f"{name}_us"] > 0 and pre[f"{name}_tflops"] > 0, name
-    assert "| hopper p64 µs | TFLOP/s | hopper p128 µs |" in capsys.readouterr().out
+    for name, _, path in bench.PREFILL_COLUMNS:
+        if path == "gluon":
+            assert pre[f"{name}_us"] is None and pre[f"{name}_tflops"] is None, name
+        else:
+            assert pre[f"{name}_us"] > 0 and pre[f"{name}_tflops"] > 0, name
+    table = capsys.readouterr().out
+    assert "| hopper p64 µs | TFLOP/s | hopper p128 µs |" in table
+    assert "| gluon p64 µs | TFLOP/s | gluon p128 µs |" in table
 
 
 def test_hopper_sweep_times_every_config_that_fits_the_page(tmp_path):
@@ -177,3 +183,20 @@ def test_hopper_sweep_times_every_config_that_fits_the_page(tmp_path):
     want = ["portable"] + [list(c) for c in bench.HOPPER_CONFIGS[64] if c[1] <= 64]
     assert [r["variant"][2] for r in res] == want
     assert all(r["us"] > 0 and r["variant"][:2] == [64, 64] for r in res)
+
+
+def test_gluon_sweep_lists_every_config_that_fits_the_page(tmp_path):
+    """The Gluon sweep's variants: the Hopper path's default, then each ``GLUON_CONFIGS``
+    value that fits the page (on the CPU only the Hopper path runs: the Gluon kernel needs
+    sm_90, and its attempts leave no time)."""
+    import dataclasses
+
+    from kernels import bench
+
+    out = tmp_path / "sweep.json"
+    bench.main(["--sweep", "gluon", "--json", str(out)])
+    res = json.loads(out.read_text())["sweep"]
+    want = ["hopper"] + [list(dataclasses.astuple(c)) for c in bench.GLUON_CONFIGS[64]
+                         if c.block_n <= 64]  # fmt: skip
+    assert [r["variant"][2] for r in res] == want
+    assert res[0]["us"] > 0 and all(r["us"] is None for r in res[1:])

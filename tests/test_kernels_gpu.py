@@ -529,3 +529,146 @@ def test_prefill_hopper_window_softcap_bf16(d, softcap):
                                                softcap=softcap)  # fmt: skip
     assert_close(out, ref, BF16_TOL, f"hopper window d={d} cap {softcap}")
     assert_close(lse, ref_lse, LSE_TOL, f"hopper window lse d={d} cap {softcap}")
+
+
+# ---- prefill, the Gluon kernel (path="gluon": FlashAttention-3 style, sm_90 only) ------------
+
+
+def _sm90():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_prefill_gluon_bf16(d, page, pingpong):
+    """The Gluon kernel with its default tiles, ping-pong on and off: GQA, five sequences with
+    cached context, one-token chunks, lengths off every tile and page edge, NaN in every pool
+    slot past each end (the copies bring them in: dead V rows must not poison P @ V), and
+    NaN-poisoned outputs (unwritten rows fail); output and LSE against the reference."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    import dataclasses
+
+    from kernels.prefill import prefill_attention
+    from kernels.prefill_gluon import gluon_config
+
+    hq, hkv = (32, 8) if d == 128 else (16, 4)
+    qlens, ctx = [1, 17, 2000, 700, 129], [0, 100, 0, 3000, 64]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    k, v, bt, sl = paged(lens, hkv, d, page)
+    ref_k, ref_v = k.float(), v.float()
+    nan_tails(k, v, bt, lens, page)
+    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of(qlens)
+    cfg = dataclasses.replace(gluon_config(d, torch.bfloat16, page), pingpong=pingpong)
+    out = torch.full_like(q, float("nan"))
+    out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens), out=out,
+                                 return_lse=True, config=cfg, path="gluon")  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.float(), ref_k, ref_v, cu, sl, bt, d**-0.5,
+                                               return_lse=True)  # fmt: skip
+    assert_close(out, ref, BF16_TOL, f"gluon prefill d={d} page={page} {cfg}")
+    assert_close(lse, ref_lse, LSE_TOL, f"gluon prefill lse d={d} page={page} {cfg}")
+
+
+def test_prefill_gluon_fp16_and_one_program():
+    """fp16, and one persistent program doing every work item (many waves, the ring's phases
+    wrapping many times): the same answer."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from kernels.prefill import prefill_attention
+    from kernels.prefill_gluon import GluonConfig
+
+    qlens, ctx = [300, 1, 513], [77, 1000, 0]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    k, v, bt, sl = paged(lens, 2, 128, 128, dtype=torch.float16)
+    ref_k, ref_v = k.float(), v.float()
+    nan_tails(k, v, bt, lens, 128)
+    q = torch.randn(sum(qlens), 8, 128, device="cuda", dtype=torch.float16)
+    cu = cu_of(qlens)
+    ref, ref_lse = reference.prefill_attention(q.float(), ref_k, ref_v, cu, sl, bt, 0.088,
+                                               return_lse=True)  # fmt: skip
+    for cfg in (GluonConfig(128, 3), GluonConfig(64, 2)):
+        out, lse = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=max(qlens),
+                                     return_lse=True, config=cfg, path="gluon")  # fmt: skip
+        assert_close(out, ref, 4e-3, f"gluon fp16 {cfg}")
+        assert_close(lse, ref_lse, LSE_TOL, f"gluon fp16 lse {cfg}")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_prefill_gluon_sweep_configs_are_right(d):
+    """Every config ``kernels.bench --sweep gluon`` times runs and is right (pages of 128)."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from kernels.bench import GLUON_CONFIGS
+    from kernels.prefill import prefill_attention
+
+    qlens, ctx = [1000, 300], [0, 1500]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    k, v, bt, sl = paged(lens, 8, d, 128)
+    nan_free_k, nan_free_v = k.float(), v.float()
+    nan_tails(k, v, bt, lens, 128)
+    q = torch.randn(sum(qlens), 32, d, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of(qlens)
+    ref = reference.prefill_attention(q.float(), nan_free_k, nan_free_v, cu, sl, bt, d**-0.5)
+    for cfg in GLUON_CONFIGS[d]:
+        out = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=1000, config=cfg,
+                                path="gluon")  # fmt: skip
+        assert_close(out, ref, BF16_TOL, f"gluon d={d} {cfg}")
+
+
+def test_prefill_gluon_llama3_8b_16k_chunked():
+    """A 16K prompt of Llama-3-8B heads on 128-token pages at once (4,096 work items: ~31 per
+    program), and as 3 chunks over the cached context, on the Gluon kernel."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from kernels.prefill import prefill_attention
+
+    n, hq, hkv, d = 16384, 32, 8, 128
+    k, v, bt, sl = paged([n], hkv, d, 128)
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    whole = prefill_attention(q, k, v, cu_of([n]), sl, bt, d**-0.5, max_query_len=n,
+                              path="gluon")  # fmt: skip
+    kx, vx = (x.float().repeat_interleave(hq // hkv, dim=2) for x in (k, v))
+    ref = reference.prefill_attention(q.float(), kx, vx, cu_of([n]), sl, bt, d**-0.5)
+    assert_close(whole, ref, BF16_TOL, "gluon prefill 16K")
+    parts = []
+    for a, b in ((0, 5000), (5000, 5001), (5001, n)):
+        sl_c = torch.tensor([b], dtype=torch.int32, device="cuda")
+        parts.append(prefill_attention(q[a:b], k, v, cu_of([b - a]), sl_c, bt, d**-0.5,
+                                       max_query_len=b - a, path="gluon"))  # fmt: skip
+    assert_close(torch.cat(parts), whole, 1e-2, "gluon chunked vs whole")
+
+
+def test_prefill_gluon_cuda_graph_replay():
+    """One capture, replays with new block tables, lengths and queries, each right."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from kernels.prefill import prefill_attention
+
+    bsz, n, hq, hkv, d, page = 2, 1024, 32, 8, 128, 128
+    k, v, _, _ = paged([3 * n] * bsz, hkv, d, page)
+    q = torch.randn(bsz * n, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of([n] * bsz)
+    bt = torch.zeros(bsz, 3 * n // page, dtype=torch.int32, device="cuda")
+    sl = torch.full((bsz,), n, dtype=torch.int32, device="cuda")
+
+    def call():
+        return prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, path="gluon")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for ctx in (0, 700, 2048):
+        bt.copy_(torch.randperm(k.shape[0], device="cuda")[: bt.numel()].view_as(bt))
+        sl.fill_(ctx + n)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt, d**-0.5)
+        assert_close(out, ref, BF16_TOL, f"gluon graph replay ctx={ctx}")
