@@ -508,9 +508,9 @@ HOPPER_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages, progr
 }  # fmt: skip
 HOPPER_SWEEP_POINTS = [(16384, 128, 128), (16384, 128, 64), (4096, 128, 128), (4096, 128, 64),
                        (4096, 64, 64), (4096, 256, 64)]  # (tokens, head dim, page)  # fmt: skip
-GLUON_CONFIGS = {  # head dim: [GluonConfig], the default for pages of 128 first
-    128: [G(128, 3), G(128, 2), G(128, 3, pingpong=False), G(64, 4), G(64, 3),
-          G(128, 3, consumer_regs=232, producer_regs=40), G(128, 3, programs_per_sm=2)],
+GLUON_CONFIGS = {  # head dim: [GluonConfig], the default first (sm90_compile: none spills but
+    # d256's (64, 2), 44-72 bytes; consumers at 232 registers spilled at d128, not kept)
+    128: [G(128, 3), G(128, 2), G(128, 3, pingpong=False), G(64, 4), G(64, 3)],
     64: [G(128, 4), G(64, 4), G(128, 4, pingpong=False), G(128, 2)],
     256: [G(64, 2), G(64, 2, pingpong=False), G(32, 4)],
 }  # fmt: skip

@@ -76,23 +76,21 @@ class GluonConfig:
     """Tuning of the Gluon kernel: ``block_n`` keys a KV tile (<= the page), ``stages`` K/V
     stages in the ring (>= 2: a stage is released only after the next tile's S is issued),
     ``pingpong`` the two warpgroups taking turns at the tensor cores, the registers per
-    thread of the consumer warpgroups and of the producer warp (``setmaxnreg``), and the
-    persistent programs per SM."""
+    thread of the consumer warpgroups and of the producer warp (``setmaxnreg``). One program
+    per SM: its 12 warps at 168 registers take the whole register file."""
 
     block_n: int = 128
     stages: int = 2
     pingpong: bool = True
     consumer_regs: int = 240
     producer_regs: int = 24
-    programs_per_sm: int = 1
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128, 256) or self.stages < 2:
             raise ValueError(f"GluonConfig: block_n a power of 2 in [16, 256], stages >= 2: {self}")
         regs = (self.consumer_regs, self.producer_regs)
-        if any(r % 8 or not 24 <= r <= 256 for r in regs) or self.programs_per_sm < 1:
-            raise ValueError(f"GluonConfig: registers multiples of 8 in [24, 256], "
-                             f"programs_per_sm >= 1: {self}")  # fmt: skip
+        if any(r % 8 or not 24 <= r <= 256 for r in regs):
+            raise ValueError(f"GluonConfig: registers multiples of 8 in [24, 256]: {self}")
         if 2 * self.consumer_regs + self.producer_regs > 3 * MAXNREG:
             raise ValueError(f"GluonConfig: 2 * consumer_regs + producer_regs > {3 * MAXNREG} "
                              f"(64K registers over 384 threads): {self}")  # fmt: skip
@@ -193,18 +191,24 @@ if HAVE_GLUON:
                     hi = gl.minimum(seq_len - q_len + m0 + _BM, seq_len)
                     bt = BlockTables + b.to(gl.int64) * stride_btb
                     col = (h // GROUP) * HEAD_DIM
+                    # the block-table entry a tile ahead: its load overlaps the wait for a stage
+                    next_row = gl.load(bt) * PAGE
                     for j in range(gl.cdiv(hi, BLOCK_N)):
-                        start = j * BLOCK_N
-                        row = gl.load(bt + start // PAGE) * PAGE + start % PAGE
+                        row = next_row
+                        nxt = (j + 1) * BLOCK_N
+                        entry = gl.load(bt + nxt // PAGE, mask=nxt < hi, other=0)
+                        next_row = entry * PAGE + nxt % PAGE
                         s = c % STAGES
                         # a fresh barrier counts as having completed the phase before 0
                         mbarrier.wait(empty.index(s), (c // STAGES & 1) ^ 1)
                         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s),
-                                                        k_bufs.index(s))  # fmt: skip
+                        tma.async_copy_global_to_shared(
+                            k_desc, [row, col], k_ready.index(s), k_bufs.index(s)
+                        )
                         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s),
-                                                        v_bufs.index(s))  # fmt: skip
+                        tma.async_copy_global_to_shared(
+                            v_desc, [row, col], v_ready.index(s), v_bufs.index(s)
+                        )
                         c += 1
 
     @gluon.jit
@@ -432,7 +436,7 @@ def gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sca
     bsz = seq_lens.shape[0]
     n_tiles = triton.cdiv(max_query_len, BLOCK_M)
     k_desc, v_desc = gluon_descriptors(k_cache, v_cache, cfg.block_n)
-    grid = (min(n_tiles * hq * bsz, num_sms(q.device) * cfg.programs_per_sm),)
+    grid = (min(n_tiles * hq * bsz, num_sms(q.device)),)
     lse_arg = out if lse is None else lse
     _gluon_prefill_kernel[grid](
         q, k_desc, v_desc, cu_seqlens_q, seq_lens, block_tables, out, lse_arg,

@@ -569,7 +569,7 @@ def test_gluon_config_checks_and_defaults():
     from kernels.prefill_gluon import SMEM, SMEM_SPARE, GluonConfig, gluon_config
 
     for bad in [dict(block_n=48), dict(stages=1), dict(consumer_regs=244),
-                dict(consumer_regs=248, producer_regs=24), dict(programs_per_sm=0)]:  # fmt: skip
+                dict(consumer_regs=248, producer_regs=24)]:  # fmt: skip
         with pytest.raises(ValueError, match="GluonConfig"):
             GluonConfig(**bad)
     for d, page, want in [(128, 128, (128, 3)), (128, 64, (64, 4)), (64, 64, (64, 4)),
