@@ -1,0 +1,179 @@
+"""The Gluon prefill kernel's synchronization, played out on the CPU (no Gluon interpreter in
+Triton 3.6, and a hang on the GPU says nothing about where it hangs).
+
+A model of ``kernels.prefill_gluon``'s three partitions as Python generators, with the
+kernel's own loop bounds, ring indices and barrier parities, run by a scheduler that picks a
+random runnable partition at every step and lets bulk copies land late and out of order. An
+mbarrier here is what PTX says: a phase completes when its expected arrivals are in, and a
+wait on parity ``p`` passes once the current phase's parity differs from ``p`` (a fresh
+barrier passes a wait on 1). Checked: no deadlock; every K/V tile a consumer reads is the one
+it expects, fully landed; the producer never overwrites a stage that either consumer still
+reads; with ping-pong the two warpgroups' MMA issues strictly alternate.
+
+When the kernel's loops or parities change, change them here too (``_producer``,
+``_consumer``, ``_take_turn``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+BLOCK_M = 128
+
+
+class Barrier:
+    def __init__(self, count: int):
+        self.count, self.pending, self.phase = count, 0, 0
+
+    def arrive(self):
+        self.pending += 1
+        assert self.pending <= self.count
+        if self.pending == self.count:
+            self.pending, self.phase = 0, self.phase + 1
+
+    def passed(self, parity: int) -> bool:
+        return self.phase % 2 != parity
+
+
+def work_items(pid, progs, n_tiles, n_heads, seqs):
+    """(tile, head, sequence) per wave, as ``_work_item`` deals them (None: past the end)."""
+    n_seqs = len(seqs)
+    per_row = n_heads * n_seqs
+    n_items = n_tiles * per_row
+    for wave in range(-(-n_items // progs)):
+        item = wave * progs + pid + wave % 2 * (progs - 1 - 2 * pid)
+        if item < n_items:
+            yield n_tiles - 1 - item // per_row, item % n_heads, item % per_row // n_heads
+
+
+def kv_tiles(tile, seq, block_n):
+    """The KV tiles of a work item (0 if the tile is past the chunk)."""
+    q_len, seq_len = seq
+    m0 = tile * BLOCK_M
+    if m0 >= q_len:
+        return 0
+    hi = min(seq_len - q_len + m0 + BLOCK_M, seq_len)
+    return -(-hi // block_n)
+
+
+class Model:
+    def __init__(self, seqs, n_heads, progs, pid, stages, block_n, pingpong, rng):
+        self.seqs, self.n_heads, self.progs, self.pid = seqs, n_heads, progs, pid
+        self.stages, self.block_n, self.pingpong, self.rng = stages, block_n, pingpong, rng
+        self.n_tiles = -(-max(q for q, _ in seqs) // BLOCK_M)
+        self.k_ready = [Barrier(1) for _ in range(stages)]
+        self.v_ready = [Barrier(1) for _ in range(stages)]
+        self.empty = [Barrier(2) for _ in range(stages)]
+        self.turns = [Barrier(1), Barrier(1)]
+        self.stage = [None] * stages  # the tile a stage holds (or is being filled with)
+        self.readers = [set() for _ in range(stages)]  # consumers that have not released it
+        self.in_flight = []  # copies issued, not landed: (barrier, stage)
+        self.issues = []  # warpgroup of each MMA issue, in order
+
+    def items(self):
+        return work_items(self.pid, self.progs, self.n_tiles, self.n_heads, self.seqs)
+
+    def producer(self):
+        c = 0
+        for tile, h, b in self.items():
+            for j in range(kv_tiles(tile, self.seqs[b], self.block_n)):
+                s = c % self.stages
+                yield self.empty[s], (c // self.stages & 1) ^ 1
+                assert not self.readers[s], f"stage {s} overwritten while read by {self.readers}"
+                self.stage[s] = (tile, h, b, j)
+                self.readers[s] = {0, 1}
+                self.in_flight += [(self.k_ready[s], s), (self.v_ready[s], s)]
+                c += 1
+
+    def take_turn(self, wg, t):
+        if self.pingpong:
+            yield self.turns[wg], (t & 1) ^ (1 - wg)
+
+    def issue(self, wg):
+        self.issues.append(wg)
+        if self.pingpong:
+            self.turns[1 - wg].arrive()
+
+    def read(self, wg, s, want):
+        assert self.stage[s] == want and wg in self.readers[s], (wg, s, self.stage[s], want)
+
+    def release(self, wg, s):
+        self.readers[s].discard(wg)
+        self.empty[s].arrive()
+
+    def consumer(self, wg):
+        c = t = 0
+        S = self.stages
+        for tile, h, b in self.items():
+            n_kv = kv_tiles(tile, self.seqs[b], self.block_n)
+            if not n_kv:
+                continue
+            s = c % S
+            yield self.k_ready[s], c // S & 1
+            self.read(wg, s, (tile, h, b, 0))
+            yield from self.take_turn(wg, t)
+            self.issue(wg)
+            t += 1
+            for j in range(1, n_kv):
+                prev, s = s, (c + j) % S
+                yield self.k_ready[s], (c + j) // S & 1
+                yield self.v_ready[prev], (c + j - 1) // S & 1
+                self.read(wg, s, (tile, h, b, j))
+                self.read(wg, prev, (tile, h, b, j - 1))
+                yield from self.take_turn(wg, t)
+                self.issue(wg)
+                t += 1
+                self.release(wg, prev)
+            yield self.v_ready[s], (c + n_kv - 1) // S & 1
+            self.read(wg, s, (tile, h, b, n_kv - 1))
+            yield from self.take_turn(wg, t)
+            self.issue(wg)
+            t += 1
+            self.release(wg, s)
+            c += n_kv
+
+    def run(self):
+        parts = {"producer": self.producer(), 0: self.consumer(0), 1: self.consumer(1)}
+        waits = {name: next(gen, None) for name, gen in parts.items()}
+        while any(w is not None for w in waits.values()) or self.in_flight:
+            ready = [n for n, w in waits.items() if w is not None and w[0].passed(w[1])]
+            if self.in_flight and (not ready or self.rng.random() < 0.3):
+                bar, _ = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
+                bar.arrive()  # a copy lands (its bytes complete the phase)
+                continue
+            assert ready, f"deadlock: {waits}"
+            name = self.rng.choice(ready)
+            waits[name] = next(parts[name], None)
+
+
+CASES = [  # (sequences as (chunk, total length), heads, programs, stages, block_n)
+    ([(300, 300)], 2, 1, 2, 128),
+    ([(1, 1), (17, 117), (700, 3700), (129, 193)], 3, 2, 3, 64),
+    ([(1000, 1000), (1, 5000)], 2, 3, 2, 128),
+    ([(129, 129), (64, 64)], 4, 5, 4, 64),  # waves longer than the work
+]
+
+
+@pytest.mark.parametrize("seqs,n_heads,progs,stages,block_n", CASES)
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_gluon_kernel_protocol_never_deadlocks_or_races(seqs, n_heads, progs, stages, block_n,
+                                                        pingpong):  # fmt: skip
+    for seed in range(3):
+        for pid in range(progs):
+            m = Model(seqs, n_heads, progs, pid, stages, block_n, pingpong, random.Random(seed))
+            m.run()
+            if pingpong:  # strictly alternating issues, warpgroup 0 first
+                assert m.issues == [0, 1] * (len(m.issues) // 2), m.issues[:20]
+            assert all(not r for r in m.readers)
+            assert m.issues.count(0) == m.issues.count(1)
+
+
+def test_every_work_item_is_dealt_once():
+    seqs = [(300, 500), (1, 1), (2000, 2000)]
+    n_tiles = -(-2000 // BLOCK_M)
+    for progs in (1, 7, 132):
+        got = [i for p in range(progs) for i in work_items(p, progs, n_tiles, 4, seqs)]
+        assert sorted(got) == sorted(
+            (t, h, b) for t in range(n_tiles) for h in range(4) for b in range(len(seqs))
+        )
