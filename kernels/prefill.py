@@ -47,6 +47,11 @@ Triton 3.6 does not warp-specialize this loop on sm_90 (``tl.range(warp_speciali
 is ignored with 8 warps and fails to compile with 4), so the overlap of copies and math comes
 from software pipelining (``num_stages``). fp8 caches and head dims other than 64, 128, 256
 stay on the portable path.
+
+``path="gluon"`` (opt-in, never taken by ``"auto"``) runs a separate kernel written in Gluon,
+FlashAttention-3 style (``kernels.prefill_gluon``): a producer warp, two consumer warpgroups
+in ping-pong, the softmax overlapping the next MMA. It shares this file's pool view and
+``hopper_refusal``, and refuses windows, soft-capping, fp8 and fp32 (``gluon_refusal``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Opt-in as ``prefill_attention(..., path="gluon")`` (``kernels.prefill``: the math, the
 batch layout and the paged cache are described there). Gluon (``triton.experimental.gluon``,
-written for Triton 3.6) states what Triton 3.6 cannot be made to do on sm_90 for this loop:
-warp specialization, hand-placed ``wgmma`` waits and register reallocation.
+here as in Triton 3.6) makes explicit what Triton 3.6's compiler does not do for this loop on
+sm_90: warp specialization, ``wgmma`` waits placed by hand, register reallocation. Written
+without a GPU: compiled for sm_90 (``tests/sm90_compile.py``), its barrier protocol played
+out on the CPU (``tests/test_gluon_schedule.py``), not yet run.
 
 A CTA is persistent (one per SM) and runs three partitions over the same work items (query
 tile of ``BLOCK_M = 128`` queries, head, sequence; heavy tiles first, dealt boustrophedon as
