@@ -177,3 +177,22 @@ def test_every_work_item_is_dealt_once():
         assert sorted(got) == sorted(
             (t, h, b) for t in range(n_tiles) for h in range(4) for b in range(len(seqs))
         )
+
+
+def test_the_model_catches_a_broken_protocol():
+    """The model is not vacuous: a 1-stage ring deadlocks (a stage is released only after the
+    next tile's S is issued), an ``empty`` barrier completed by one consumer lets the producer
+    overwrite a stage the other still reads or drifts the parities into a deadlock, and
+    swapped turn parities break the alternation."""
+    seqs = [(700, 3700), (129, 193)]
+    with pytest.raises(AssertionError, match="deadlock"):
+        Model(seqs, 3, 2, 0, 1, 64, True, random.Random(0)).run()
+    m = Model(seqs, 3, 2, 0, 2, 64, True, random.Random(0))
+    for bar in m.empty:
+        bar.count = 1
+    with pytest.raises(AssertionError, match="overwritten|deadlock"):
+        m.run()
+    m = Model(seqs, 3, 2, 0, 2, 64, True, random.Random(0))
+    m.take_turn = lambda wg, t: iter([(m.turns[wg], (t & 1) ^ wg)])
+    m.run()
+    assert m.issues != [0, 1] * (len(m.issues) // 2)
