@@ -5,7 +5,7 @@ batch layout and the paged cache are described there). Gluon (``triton.experimen
 here as in Triton 3.6) makes explicit what Triton 3.6's compiler does not do for this loop on
 sm_90: warp specialization, ``wgmma`` waits placed by hand, register reallocation. Written
 without a GPU: compiled for sm_90 (``tests/sm90_compile.py``), its barrier protocol played
-out on the CPU (``tests/test_gluon_schedule.py``), not yet run.
+out on the CPU (``tests/test_gluon_model.py``), not yet run.
 
 A CTA is persistent (one per SM) and runs three partitions over the same work items (query
 tile of ``BLOCK_M = 128`` queries, head, sequence; heavy tiles first, dealt boustrophedon as

@@ -1,23 +1,32 @@
-"""The Gluon prefill kernel's synchronization, played out on the CPU (no Gluon interpreter in
-Triton 3.6, and a hang on the GPU says nothing about where it hangs).
+"""The Gluon prefill kernel played out on the CPU: its synchronization and its arithmetic (no
+Gluon interpreter in Triton 3.6, and a hang on the GPU says nothing about where it hangs).
 
-A model of ``kernels.prefill_gluon``'s three partitions as Python generators, with the
-kernel's own loop bounds, ring indices and barrier parities, run by a scheduler that picks a
-random runnable partition at every step and lets bulk copies land late and out of order. An
-mbarrier here is what PTX says: a phase completes when its expected arrivals are in, and a
-wait on parity ``p`` passes once the current phase's parity differs from ``p`` (a fresh
+Synchronization: a model of ``kernels.prefill_gluon``'s three partitions as Python generators,
+with the kernel's own loop bounds, ring indices and barrier parities, run by a scheduler that
+picks a random runnable partition at every step and lets bulk copies land late and out of
+order. An mbarrier here is what PTX says: a phase completes when its expected arrivals are in,
+and a wait on parity ``p`` passes once the current phase's parity differs from ``p`` (a fresh
 barrier passes a wait on 1). Checked: no deadlock; every K/V tile a consumer reads is the one
 it expects, fully landed; the producer never overwrites a stage that either consumer still
 reads; with ping-pong the two warpgroups' MMA issues strictly alternate.
 
-When the kernel's loops or parities change, change them here too (``_producer``,
-``_consumer``, ``_take_turn``)."""
+Arithmetic: a consumer warpgroup's loop in float64 torch, in the kernel's order (P V of tile
+j-1 accumulated before tile j's rescale; tiles addressed through the ``[N * PAGE, Hkv * D]``
+view; dead V rows zeroed in the last tile only), against ``kernels.reference`` over pools with
+NaN past every sequence's end.
+
+When the kernel's loops, parities or arithmetic change, change them here too (``_producer``,
+``_consumer``, ``_take_turn``, ``_softmax``)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+import torch
+
+from kernels import reference
 
 BLOCK_M = 128
 
@@ -196,3 +205,94 @@ def test_the_model_catches_a_broken_protocol():
     m.take_turn = lambda wg, t: iter([(m.turns[wg], (t & 1) ^ wg)])
     m.run()
     assert m.issues != [0, 1] * (len(m.issues) // 2)
+
+
+def emulate_consumer(q, pool_k, pool_v, bt, seq_len, q_len, ctx_m0, wg, kv_head, scale, block_n,
+                     page):  # fmt: skip
+    """One warpgroup's 64 queries of a work item, as ``_consumer`` computes them (float64).
+    ``q``: [64, D] (rows past the chunk zero, as the masked load leaves them); ``pool_*``:
+    the pools as [N * PAGE, Hkv * D]. Returns (out [64, D], lse [64])."""
+    d = q.shape[1]
+    qk_scale = scale * math.log2(math.e)
+    q_first = ctx_m0 + wg * 64
+    hi = min(ctx_m0 + BLOCK_M, seq_len)
+    n_kv = -(-hi // block_n)
+
+    def tile(pool, j):
+        start = j * block_n
+        row = int(bt[start // page]) * page + start % page
+        return pool[row : row + block_n, kv_head * d : (kv_head + 1) * d].clone()
+
+    def softmax(s, m_i, l_i, start):
+        if start + block_n > q_first + 1:
+            kv = start + torch.arange(block_n, dtype=torch.float64)
+            q_pos = q_first + torch.arange(64, dtype=torch.float64)
+            s = torch.where(kv[None, :] <= q_pos[:, None], s, -math.inf)
+        m_new = torch.maximum(m_i, s.amax(1) * qk_scale)
+        p = torch.exp2(s * qk_scale - m_new[:, None])
+        alpha = torch.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + p.sum(1)
+
+    m_i = torch.full((64,), -math.inf, dtype=torch.float64)
+    l_i = torch.zeros(64, dtype=torch.float64)
+    p, _, m_i, l_i = softmax(q @ tile(pool_k, 0).T, m_i, l_i, 0)
+    acc = torch.zeros(64, d, dtype=torch.float64)
+    for j in range(1, n_kv):
+        s = q @ tile(pool_k, j).T
+        acc = acc + p @ tile(pool_v, j - 1)
+        p, alpha, m_i, l_i = softmax(s, m_i, l_i, j * block_n)
+        acc = acc * alpha[:, None]
+    v = tile(pool_v, n_kv - 1)
+    last = (n_kv - 1) * block_n
+    if last + block_n > seq_len:
+        v[seq_len - last :] = 0
+    acc = acc + p @ v
+    return acc / l_i[:, None], (m_i + torch.log2(l_i)) * math.log(2)
+
+
+@pytest.mark.parametrize("block_n,page", [(128, 128), (64, 128), (64, 64)])
+def test_consumer_arithmetic_matches_the_reference(block_n, page):
+    """GQA, chunks over cached context, one-token chunks, lengths off every edge, NaN past
+    each sequence's end in the pools: the kernel's loop gives the reference's output and LSE."""
+    torch.manual_seed(0)
+    hq, hkv, d = 4, 2, 32
+    qlens, ctx = [1, 130, 300, 64], [0, 77, 0, 200]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    need = [-(-n // page) for n in lens]
+    n_pages = sum(need) + 2
+    k = torch.randn(n_pages, page, hkv, d, dtype=torch.float64)
+    v = torch.randn(n_pages, page, hkv, d, dtype=torch.float64)
+    ids = torch.randperm(n_pages)
+    bt = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    pos = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = ids[pos : pos + n].int()
+        pos += n
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(sum(qlens), hq, d, dtype=torch.float64)
+    ref, ref_lse = reference.prefill_attention(q, k, v, cu, sl, bt, d**-0.5, return_lse=True)
+    bad_k, bad_v = k.clone(), v.clone()
+    for b, n in enumerate(lens):
+        last, off = divmod(n, page)
+        if off:
+            bad_k[bt[b, last].long(), off:] = bad_v[bt[b, last].long(), off:] = math.nan
+    pool_k, pool_v = (x.reshape(n_pages * page, hkv * d) for x in (bad_k, bad_v))
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float64)
+    for b, (q_len, seq_len) in enumerate(zip(qlens, lens)):
+        for m0 in range(0, q_len, BLOCK_M):
+            for h in range(hq):
+                for wg in range(2):
+                    w0 = m0 + wg * 64
+                    rows = torch.arange(w0, w0 + 64)
+                    qw = torch.zeros(64, d, dtype=torch.float64)
+                    live = rows < q_len
+                    qw[live] = q[cu[b] + rows[live], h]
+                    o, l_ = emulate_consumer(qw, pool_k, pool_v, bt[b], seq_len, q_len,
+                                             seq_len - q_len + m0, wg, h // (hq // hkv),
+                                             d**-0.5, block_n, page)  # fmt: skip
+                    out[cu[b] + rows[live], h] = o[live]
+                    lse[cu[b] + rows[live], h] = l_[live]
+    assert torch.allclose(out, ref, atol=1e-10), (out - ref).abs().max()
+    assert torch.allclose(lse, ref_lse.double(), atol=1e-5), (lse - ref_lse).abs().max()
