@@ -469,11 +469,18 @@ def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return None
 
 
+def pool_view(pool: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(shape, strides) of a pool ``[N, PAGE, Hkv, D]`` seen as ``[N * PAGE, Hkv * D]``: a
+    token's row of heads per row (``hopper_refusal`` checks that the pool allows it). The
+    Hopper path's and the Gluon kernel's descriptors both take this view."""
+    n, page, hkv, d = pool.shape
+    return [n * page, hkv * d], [pool.stride(1), 1]
+
+
 def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> list:
     """The pools as ``[N * PAGE, Hkv * D]`` for bulk copies of ``[block_n, D]`` tiles."""
-    n, page, hkv, d = k_cache.shape
-    return [TensorDescriptor(x, [n * page, hkv * d], [x.stride(1), 1], [block_n, d])
-            for x in (k_cache, v_cache)]  # fmt: skip
+    d = k_cache.shape[3]
+    return [TensorDescriptor(x, *pool_view(x), [block_n, d]) for x in (k_cache, v_cache)]
 
 
 def _gluon_config(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, config):

@@ -145,10 +145,11 @@ def gluon_refusal(q: torch.Tensor, k_cache: torch.Tensor, window: int, softcap: 
 def gluon_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> list:
     """The pools as ``[N * PAGE, Hkv * D]`` for bulk copies of ``[block_n, D]`` tiles, in the
     swizzled shared layout that ``wgmma`` reads (the Hopper path's view, Gluon's descriptor)."""
-    n, page, hkv, d = k_cache.shape
+    from kernels.prefill import pool_view  # (kernels.prefill imports this module lazily)
+
+    d = k_cache.shape[3]
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _GL_DTYPES[k_cache.dtype])
-    return [GluonDescriptor(x, [n * page, hkv * d], [x.stride(1), 1], [block_n, d], layout)
-            for x in (k_cache, v_cache)]  # fmt: skip
+    return [GluonDescriptor(x, *pool_view(x), [block_n, d], layout) for x in (k_cache, v_cache)]
 
 
 if HAVE_GLUON:
