@@ -430,23 +430,31 @@ if HAVE_GLUON:
         )
 
 
-def gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale: float,
-                  max_query_len: int, out, lse, cfg: GluonConfig) -> None:  # fmt: skip
-    """Launch the kernel on inputs that ``prefill_attention`` checked and ``gluon_refusal``
-    accepted; writes ``out`` (and ``lse`` if not None)."""
-    t, hq, d = q.shape
-    hkv = k_cache.shape[2]
+def launch_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale: float,
+                max_query_len: int, out, lse, cfg: GluonConfig) -> tuple:  # fmt: skip
+    """(grid, arguments, keyword arguments) of the kernel's launch on inputs that
+    ``prefill_attention`` checked and ``gluon_refusal`` accepted (``lse`` None: not written).
+    Apart from ``gluon_prefill`` so that the compile test can compile this very call."""
+    hq, hkv = q.shape[1], k_cache.shape[2]
     bsz = seq_lens.shape[0]
     n_tiles = triton.cdiv(max_query_len, BLOCK_M)
     k_desc, v_desc = gluon_descriptors(k_cache, v_cache, cfg.block_n)
     grid = (min(n_tiles * hq * bsz, num_sms(q.device)),)
-    lse_arg = out if lse is None else lse
-    _gluon_prefill_kernel[grid](
-        q, k_desc, v_desc, cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
-        scale * _LOG2E, n_tiles, hq, bsz, q.stride(0), q.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
+    args = (
+        q, k_desc, v_desc, cu_seqlens_q, seq_lens, block_tables, out,
+        out if lse is None else lse, scale * _LOG2E, n_tiles, hq, bsz, q.stride(0), q.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         0 if lse is None else lse.stride(1),
+    )  # fmt: skip
+    kw = dict(
         GROUP=hq // hkv, PAGE=k_cache.shape[1], STORE_LSE=lse is not None, STAGES=cfg.stages,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
+    return grid, args, kw
+
+
+def gluon_prefill(*inputs, **kw) -> None:
+    """Run the kernel: ``launch_args``'s inputs; writes ``out`` (and ``lse`` if not None)."""
+    grid, args, options = launch_args(*inputs, **kw)
+    _gluon_prefill_kernel[grid](*args, **options)

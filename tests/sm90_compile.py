@@ -115,6 +115,37 @@ def gluon_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt: str = "bf1
     return _compile(pg._gluon_prefill_kernel, ptrs, consts, num_warps=4, maxnreg=pg.MAXNREG)
 
 
+class _CompileOnly:
+    """A stand-in for Triton's CUDA driver: enough of it for a kernel's ``run(warmup=True)``
+    to bind, specialize and compile its arguments for sm_90 without a GPU (and never launch)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return TARGET
+
+
+def gluon_launch_kernel(d: int = 128, page: int = 128):
+    """The Gluon kernel as ``prefill_attention(path="gluon")`` launches it (``launch_args``:
+    the launcher's own arguments, descriptors, strides and options through Triton's binder),
+    on CPU tensors: GQA 8/2, two sequences, the LSE."""
+    from triton.runtime.driver import driver
+
+    driver.set_active(_CompileOnly())  # this process compiles only
+    pg, dt = prefill_gluon, torch.bfloat16
+    q = torch.zeros(300, 8, d, dtype=dt)
+    pool = torch.zeros(8, page, 2, d, dtype=dt)
+    cu, lens = torch.tensor([0, 100, 300], dtype=torch.int32), torch.tensor([150, 400])
+    args = (q, pool, pool, cu, lens.int(), torch.zeros(2, 8, dtype=torch.int32), d**-0.5, 200,
+            torch.empty_like(q), torch.empty(300, 8), pg.gluon_config(d, dt, page))  # fmt: skip
+    grid, args, options = pg.launch_args(*args)
+    return pg._gluon_prefill_kernel.run(*args, grid=grid, warmup=True, **options)
+
+
 def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
     cache = "*fp8e4nv" if fp8 else f"*{dt}"
     ptrs = {"QKV": f"*{dt}", "Pos": "*i64", "Cos": f"*{dt}", "Sin": f"*{dt}", "QNorm": f"*{dt}",
@@ -305,6 +336,7 @@ GLUON_VARIANTS = {
     "gluon-prefill-d128-page128-fp16": lambda: gluon_prefill_kernel(dt="fp16"),
     "gluon-prefill-d64": lambda: gluon_prefill_kernel(64, 64),
     "gluon-prefill-d256": lambda: gluon_prefill_kernel(256, 64),
+    "gluon-prefill-launch-d128-page128": lambda: gluon_launch_kernel(),  # (last: sets a driver)
 }  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the heuristic's tiles (kernels.gemv.gemv_config) for
 # bf16 weights (M = 1, M > 1) and fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps

@@ -39,10 +39,17 @@ def compiled() -> dict[str, dict]:
 
 
 def test_every_gluon_variant_compiles_and_fits(compiled):
-    assert len(compiled) == 7 and all(k.startswith("gluon-prefill-") for k in compiled), compiled
+    assert len(compiled) == 8 and all(k.startswith("gluon-prefill-") for k in compiled), compiled
     for name, row in compiled.items():
         assert 0 < row["shared"] <= H100_SMEM, (name, row)
         assert row["tma_loads"] > 0 and row["wgmma"] > 0, (name, row)
+
+
+def test_the_launchers_call_compiles_to_the_same_kernel(compiled):
+    """``launch_args`` through Triton's binder (real tensors, descriptors, strides, options)
+    gives the kernel the variants describe: the launcher and the kernel agree."""
+    launched = {**compiled["gluon-prefill-launch-d128-page128"], "variant": None}
+    assert launched == {**compiled["gluon-prefill-d128-page128"], "variant": None}, launched
 
 
 def test_gluon_kernel_is_warp_specialized(compiled):
