@@ -18,8 +18,8 @@ on the Hopper path):
   D`` (the Hopper path's descriptors). Each stage has a K-ready and a V-ready mbarrier
   (completed by the copies' byte counts) and an empty one that both consumers arrive on.
 - two consumer warpgroups (``_consumer``, 4 warps each, ``CONSUMER_REGS`` registers through
-  ``setmaxnreg``), each owning 64 of the tile's 128 queries (its own Q in shared memory) and
-  reading the same K/V stages. Within a warpgroup the loop is software-pipelined by hand:
+  ``setmaxnreg``), each owning 64 of the tile's 128 queries (its own Q in shared memory,
+  loaded an item ahead into registers) and reading the same K/V stages. Within a warpgroup the loop is software-pipelined by hand:
   tile j's ``S = Q K^T`` is issued, then tile j-1's ``O += P V`` (P from registers), and
   only S is waited for (``warpgroup_mma_wait(1)``), so the softmax of tile j runs while
   P V of tile j-1 is on the tensor cores. With ``PINGPONG`` the two warpgroups take turns
@@ -173,6 +173,23 @@ if HAVE_GLUON:
         return item, n_tiles - 1 - item // per_row, item % n_heads, item % per_row // n_heads
 
     @gluon.jit
+    def _load_q(Q, CuSeqlensQ, wave, grid_args, WG: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Registers of this warpgroup's 64 queries of its item in wave ``wave`` (zeros past the
+        chunk, and for a wave past the work): issued an item ahead, the load runs under the
+        previous item's last P V instead of stalling both warpgroups at the item's start."""
+        pid, progs, n_tiles, n_heads, n_seqs, stride_qt, stride_qh = grid_args
+        layout: gl.constexpr = _row_layout(HEAD_DIM)
+        item, tile, h, b = _work_item(wave, pid, progs, n_tiles, n_heads, n_seqs)
+        live = item < n_tiles * n_heads * n_seqs  # (b is a sequence's even past the work)
+        q_start = gl.load(CuSeqlensQ + b)
+        q_len = gl.where(live, gl.load(CuSeqlensQ + b + 1) - q_start, 0)
+        offs_m = tile * _BM + WG * _WG_M + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        rows = (q_start + offs_m).to(gl.int64)
+        return gl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                       mask=(offs_m < q_len)[:, None], other=0.0)  # fmt: skip
+
+    @gluon.jit
     def _producer(args, GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr):  # fmt: skip
         """One warp: every KV tile of every item of this program, in the consumers' order,
@@ -272,99 +289,103 @@ if HAVE_GLUON:
         )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q_layout: gl.constexpr = _row_layout(HEAD_DIM)
 
         pid = gl.program_id(0)
         progs = gl.num_programs(0)
         n_items = n_tiles * n_heads * n_seqs
         c = 0  # KV tiles consumed: the producer's counter
         t = 0  # turns taken (PINGPONG)
+        grid_args = (pid, progs, n_tiles, n_heads, n_seqs, stride_qt, stride_qh)
+        # Q an item ahead, but not at d256: its 64 registers a thread beside O's 128 spill
+        Q_AHEAD: gl.constexpr = HEAD_DIM <= 128
+        if Q_AHEAD:
+            q = _load_q(Q, CuSeqlensQ, 0, grid_args, WG, HEAD_DIM)
         for wave in range(gl.cdiv(n_items, progs)):
             item, tile, h, b = _work_item(wave, pid, progs, n_tiles, n_heads, n_seqs)
-            if item < n_items:
-                q_start = gl.load(CuSeqlensQ + b)
-                q_len = gl.load(CuSeqlensQ + b + 1) - q_start
-                m0 = tile * _BM
-                if m0 < q_len:
-                    seq_len = gl.load(SeqLens + b)
-                    ctx = seq_len - q_len
-                    hi = gl.minimum(ctx + m0 + _BM, seq_len)
-                    n_kv = gl.cdiv(hi, BLOCK_N)
-                    w0 = m0 + WG * _WG_M  # this warpgroup's first query in the chunk
-                    q_first = ctx + w0  # ... and its position
+            q_start = gl.load(CuSeqlensQ + b)  # (b is a sequence's even past the work)
+            q_len = gl.load(CuSeqlensQ + b + 1) - q_start
+            m0 = tile * _BM
+            if (item >= n_items) | (m0 >= q_len):  # no work: the producer skips it too
+                if Q_AHEAD:
+                    q = _load_q(Q, CuSeqlensQ, wave + 1, grid_args, WG, HEAD_DIM)
+            else:
+                seq_len = gl.load(SeqLens + b)
+                ctx = seq_len - q_len
+                hi = gl.minimum(ctx + m0 + _BM, seq_len)
+                n_kv = gl.cdiv(hi, BLOCK_N)
+                w0 = m0 + WG * _WG_M  # this warpgroup's first query in the chunk
+                q_first = ctx + w0  # ... and its position
 
-                    # Q: a plain load (a TMA box could run into the next sequence's rows)
-                    offs_m = w0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, q_layout))
-                    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-                    rows = (q_start + offs_m).to(gl.int64)
-                    q = gl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                                mask=(offs_m < q_len)[:, None], other=0.0)  # fmt: skip
-                    q_smem.store(q)
-                    fence_async_shared()
-                    gl.thread_barrier()
+                if not Q_AHEAD:
+                    q = _load_q(Q, CuSeqlensQ, wave, grid_args, WG, HEAD_DIM)
+                q_smem.store(q)
+                fence_async_shared()
+                gl.thread_barrier()
 
-                    # tile 0: S, softmax
-                    s = c % STAGES
-                    mbarrier.wait(k_ready.index(s), c // STAGES & 1)
+                # tile 0: S, softmax
+                s = c % STAGES
+                mbarrier.wait(k_ready.index(s), c // STAGES & 1)
+                _take_turn(turns, t, WG, PINGPONG)
+                zero_s = gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout)
+                sc = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s,
+                                   use_acc=False, is_async=True)  # fmt: skip
+                _end_turn(turns, WG, PINGPONG)
+                t += 1
+                sc = warpgroup_mma_wait(0, deps=[sc])
+                m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+                l_i = gl.zeros([_WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+                p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, q_first, 0, qk_scale, s_layout,
+                                              BLOCK_N)  # fmt: skip
+                p = gl.convert_layout(p.to(dtype), p_layout)
+                acc = gl.zeros([_WG_M, HEAD_DIM], gl.float32, o_layout)
+
+                # tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; the
+                # softmax of S_j runs under P V; then O is rescaled by alpha_j
+                for j in range(1, n_kv):
+                    prev = s
+                    s = (c + j) % STAGES
+                    mbarrier.wait(k_ready.index(s), (c + j) // STAGES & 1)
+                    mbarrier.wait(v_ready.index(prev), (c + j - 1) // STAGES & 1)
                     _take_turn(turns, t, WG, PINGPONG)
-                    zero_s = gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout)
                     sc = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s,
                                        use_acc=False, is_async=True)  # fmt: skip
+                    acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
                     _end_turn(turns, WG, PINGPONG)
                     t += 1
-                    sc = warpgroup_mma_wait(0, deps=[sc])
-                    m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-                    l_i = gl.zeros([_WG_M], gl.float32, gl.SliceLayout(1, s_layout))
-                    p, alpha, m_i, l_i = _softmax(sc, m_i, l_i, q_first, 0, qk_scale, s_layout,
-                                                  BLOCK_N)  # fmt: skip
-                    p = gl.convert_layout(p.to(dtype), p_layout)
-                    acc = gl.zeros([_WG_M, HEAD_DIM], gl.float32, o_layout)
+                    sc = warpgroup_mma_wait(1, deps=[sc])
+                    p_next, alpha, m_i, l_i = _softmax(sc, m_i, l_i, q_first, j * BLOCK_N,
+                                                       qk_scale, s_layout, BLOCK_N)  # fmt: skip
+                    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+                    mbarrier.arrive(empty.index(prev))  # both K and V of tile j-1 read
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                    p = gl.convert_layout(p_next.to(dtype), p_layout)
 
-                    # tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; the
-                    # softmax of S_j runs under P V; then O is rescaled by alpha_j
-                    for j in range(1, n_kv):
-                        prev = s
-                        s = (c + j) % STAGES
-                        mbarrier.wait(k_ready.index(s), (c + j) // STAGES & 1)
-                        mbarrier.wait(v_ready.index(prev), (c + j - 1) // STAGES & 1)
-                        _take_turn(turns, t, WG, PINGPONG)
-                        sc = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s,
-                                           use_acc=False, is_async=True)  # fmt: skip
-                        acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
-                        _end_turn(turns, WG, PINGPONG)
-                        t += 1
-                        sc = warpgroup_mma_wait(1, deps=[sc])
-                        p_next, alpha, m_i, l_i = _softmax(sc, m_i, l_i, q_first, j * BLOCK_N,
-                                                           qk_scale, s_layout, BLOCK_N)  # fmt: skip
-                        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-                        mbarrier.arrive(empty.index(prev))  # both K and V of tile j-1 read
-                        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                        p = gl.convert_layout(p_next.to(dtype), p_layout)
+                # the last tile's P V: slots past the sequence's end zeroed first
+                last = (n_kv - 1) * BLOCK_N
+                mbarrier.wait(v_ready.index(s), (c + n_kv - 1) // STAGES & 1)
+                if last + BLOCK_N > seq_len:
+                    _zero_dead_rows(v_bufs.index(s), last, seq_len, BLOCK_N, HEAD_DIM)
+                if Q_AHEAD:  # the next item's Q, under this last P V
+                    q = _load_q(Q, CuSeqlensQ, wave + 1, grid_args, WG, HEAD_DIM)
+                _take_turn(turns, t, WG, PINGPONG)
+                acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+                _end_turn(turns, WG, PINGPONG)
+                t += 1
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(empty.index(s))
+                c += n_kv
 
-                    # the last tile's P V: slots past the sequence's end zeroed first
-                    last = (n_kv - 1) * BLOCK_N
-                    mbarrier.wait(v_ready.index(s), (c + n_kv - 1) // STAGES & 1)
-                    if last + BLOCK_N > seq_len:
-                        _zero_dead_rows(v_bufs.index(s), last, seq_len, BLOCK_N, HEAD_DIM)
-                    _take_turn(turns, t, WG, PINGPONG)
-                    acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
-                    _end_turn(turns, WG, PINGPONG)
-                    t += 1
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(empty.index(s))
-                    c += n_kv
-
-                    l_o = gl.convert_layout(l_i, o_rows)
-                    out = acc / l_o[:, None]
-                    offs_m = w0 + gl.arange(0, _WG_M, layout=o_rows)
-                    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                    rows = (q_start + offs_m).to(gl.int64)
-                    live = offs_m < q_len
-                    gl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                             out.to(Out.dtype.element_ty), mask=live[:, None])  # fmt: skip
-                    if STORE_LSE:
-                        lse = (gl.convert_layout(m_i, o_rows) + gl.log2(l_o)) * 0.6931471805599453
-                        gl.store(Lse + rows * stride_lt + h * stride_lh, lse, mask=live)
+                l_o = gl.convert_layout(l_i, o_rows)
+                out = acc / l_o[:, None]
+                offs_m = w0 + gl.arange(0, _WG_M, layout=o_rows)
+                offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                rows = (q_start + offs_m).to(gl.int64)
+                live = offs_m < q_len
+                gl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                         out.to(Out.dtype.element_ty), mask=live[:, None])  # fmt: skip
+                if STORE_LSE:
+                    lse = (gl.convert_layout(m_i, o_rows) + gl.log2(l_o)) * 0.6931471805599453
+                    gl.store(Lse + rows * stride_lt + h * stride_lh, lse, mask=live)
 
     @gluon.jit
     def _gluon_prefill_kernel(
