@@ -19,11 +19,12 @@ on the Hopper path):
   (completed by the copies' byte counts) and an empty one that both consumers arrive on.
 - two consumer warpgroups (``_consumer``, 4 warps each, ``CONSUMER_REGS`` registers through
   ``setmaxnreg``), each owning 64 of the tile's 128 queries (its own Q in shared memory,
-  loaded an item ahead into registers) and reading the same K/V stages. Within a warpgroup the loop is software-pipelined by hand:
-  tile j's ``S = Q K^T`` is issued, then tile j-1's ``O += P V`` (P from registers), and
-  only S is waited for (``warpgroup_mma_wait(1)``), so the softmax of tile j runs while
-  P V of tile j-1 is on the tensor cores. With ``PINGPONG`` the two warpgroups take turns
-  issuing their MMAs (an mbarrier pair): one's softmax runs under the other's MMAs.
+  loaded an item ahead into registers) and reading the same K/V stages. Within a warpgroup
+  the loop is software-pipelined by hand: tile j's ``S = Q K^T`` is issued, then tile j-1's
+  ``O += P V`` (P from registers), and only S is waited for (``warpgroup_mma_wait(1)``), so
+  the softmax of tile j runs while P V of tile j-1 is on the tensor cores. With
+  ``PINGPONG`` the two warpgroups take turns issuing their MMAs (an mbarrier pair): one's
+  softmax runs under the other's MMAs.
 
 Masking: a tile holding a key past the warpgroup's first query is masked (``kv <= q_pos``);
 the others are not. The copies cannot be masked, so the last tile of a sequence may bring
@@ -180,7 +181,7 @@ if HAVE_GLUON:
         pid, progs, n_tiles, n_heads, n_seqs, stride_qt, stride_qh = grid_args
         layout: gl.constexpr = _row_layout(HEAD_DIM)
         item, tile, h, b = _work_item(wave, pid, progs, n_tiles, n_heads, n_seqs)
-        live = item < n_tiles * n_heads * n_seqs  # (b is a sequence's even past the work)
+        live = item < n_tiles * n_heads * n_seqs  # (b < B even past the work: a modulo)
         q_start = gl.load(CuSeqlensQ + b)
         q_len = gl.where(live, gl.load(CuSeqlensQ + b + 1) - q_start, 0)
         offs_m = tile * _BM + WG * _WG_M + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, layout))
@@ -302,7 +303,7 @@ if HAVE_GLUON:
             q = _load_q(Q, CuSeqlensQ, 0, grid_args, WG, HEAD_DIM)
         for wave in range(gl.cdiv(n_items, progs)):
             item, tile, h, b = _work_item(wave, pid, progs, n_tiles, n_heads, n_seqs)
-            q_start = gl.load(CuSeqlensQ + b)  # (b is a sequence's even past the work)
+            q_start = gl.load(CuSeqlensQ + b)  # (b < B even past the work: a modulo)
             q_len = gl.load(CuSeqlensQ + b + 1) - q_start
             m0 = tile * _BM
             if (item >= n_items) | (m0 >= q_len):  # no work: the producer skips it too
