@@ -4,8 +4,8 @@ Opt-in as ``prefill_attention(..., path="gluon")`` (``kernels.prefill``: the mat
 batch layout and the paged cache are described there). Gluon (``triton.experimental.gluon``,
 here as in Triton 3.6) makes explicit what Triton 3.6's compiler does not do for this loop on
 sm_90: warp specialization, ``wgmma`` waits placed by hand, register reallocation. Written
-without a GPU: compiled for sm_90 (``tests/sm90_compile.py``), its barrier protocol played
-out on the CPU (``tests/test_gluon_model.py``), not yet run.
+without a GPU: compiled for sm_90 (``tests/sm90_compile.py``), its barrier protocol and a
+consumer's arithmetic played out on the CPU (``tests/test_gluon_model.py``); not yet run.
 
 A CTA is persistent (one per SM) and runs three partitions over the same work items (query
 tile of ``BLOCK_M = 128`` queries, head, sequence; heavy tiles first, dealt boustrophedon as
