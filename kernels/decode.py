@@ -170,8 +170,9 @@ def _attend_tile(
             # the conversion past the tile's shared-memory load into the dot's operand layout,
             # where a thread gathers its e4m3 bytes one at a time (64 ld.shared.b8 and their
             # packing per 64-token tile). Kept here, the f16 tile goes through shared memory
-            # once more and ldmatrix.trans transposes it: sm_90 PTX of the loop 808 -> 579
-            # instructions per tile, shared memory +16 KB (docs/benchmarks/fp8.md).
+            # once more and ldmatrix.trans transposes it: sm_90 SASS of the loop at (64, 4, 4)
+            # 893 -> 598 instructions per tile, shared memory +16 KB; tl.where on V's rows
+            # pins it too, for 822 (docs/benchmarks/fp8.md).
             v = _opaque_f16(v)
     if SOFTCAP:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BG, BN]
