@@ -108,12 +108,12 @@ def _pow2(e):
 
 @triton.jit
 def _f16_queries(q):
-    """Queries [BG, BD] (bf16 or fp16) for the f16 dots over an fp8 cache: ``(q * 2^k`` in
-    f16, ``2^-k)``, the power of two putting the largest ``|q|`` in [2^13, 2^14) and its inverse,
-    which the scores are multiplied by (exact: both powers of two). f16's range is 2^-24 to
-    65,504, bf16's float32's: so scaled, any bf16 query fits (the K tiles' e4m3 values, up to
-    448, are exact in f16) and every element down to 2^-27 of the largest keeps f16's 11 bits
-    (a bf16 query has 8); unscaled, a query past 65,504 would be inf. Once per program."""
+    """Queries [BG, BD] (bf16 or fp16) for the f16 dots over an fp8 cache: ``q * 2^k`` in f16
+    and ``2^-k``, which the scores are multiplied by, with 2^k putting the largest ``|q|`` in
+    [2^13, 2^14) (exact: powers of two). f16's range is 2^-24 to 65,504, bf16's float32's: so
+    scaled, any bf16 query fits (the K tiles' e4m3 values, up to 448, are exact in f16) and
+    every element down to 2^-27 of the largest keeps f16's 11 bits (a bf16 query has 8);
+    unscaled, a query past 65,504 would be inf. Once per program."""
     amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
     # floor(log2(amax)) from its exponent bits; an all-zero q (-127) clamped to stay normal
     e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100)
@@ -569,7 +569,7 @@ def programs_per_sm(
 ) -> int:
     """Stage-1 programs that fit on one SM at once (shared memory: the K/V tiles,
     ``_tile_bytes``, plus ~8 KB for q, P and layout scratch; 38.9 / 71.7 / 104.4 KB at (64, 4,
-    2 / 3 / 4) on sm_90, Triton 3.6; fp8 at (64, 4, 4) 70.8, (128, 4, 3) 104.0), capped at
+    2 / 3 / 4) on sm_90, Triton 3.6; fp8 at (64, 4, 4) 70.8, (128, 8, 3) 105.0), capped at
     ``tuning.programs_per_sm``."""
     block_n, _, stages = config
     smem = _tile_bytes(block_n, stages, head_dim, itemsize, fp8) + (9 << 10)
@@ -676,8 +676,8 @@ def decode_attention(
 
     ``max_seq_len`` bounds every ``seq_lens[b]`` (host int; from the block table's width if
     None): it sizes the grid and must not change between CUDA-graph replays. ``num_splits``
-    overrides the split heuristic; ``split_size`` (a multiple of the KV tile, 64) fixes the
-    tokens per split. ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``:
+    overrides the split heuristic; ``split_size`` (a multiple of the KV tile: 64, or 128 over
+    an fp8 cache with 16-bit queries, ``DecodeTuning.fp8_tiles``) fixes the tokens per split. ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``:
     join the decode layer's PDL chain where the device supports it (``kernels.common``).
     ``window`` > 0: each row attends to its last ``window`` tokens only (and reads only their
     pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
