@@ -677,8 +677,9 @@ def decode_attention(
     ``max_seq_len`` bounds every ``seq_lens[b]`` (host int; from the block table's width if
     None): it sizes the grid and must not change between CUDA-graph replays. ``num_splits``
     overrides the split heuristic; ``split_size`` (a multiple of the KV tile: 64, or 128 over
-    an fp8 cache with 16-bit queries, ``DecodeTuning.fp8_tiles``) fixes the tokens per split. ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``:
-    join the decode layer's PDL chain where the device supports it (``kernels.common``).
+    an fp8 cache with 16-bit queries, ``DecodeTuning.fp8_tiles``) fixes the tokens per split.
+    ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``: join the decode
+    layer's PDL chain where the device supports it (``kernels.common``).
     ``window`` > 0: each row attends to its last ``window`` tokens only (and reads only their
     pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
     layer's host values (0: off), fixed for a captured graph. An fp8 cache (``float8_e4m3fn``
