@@ -7,12 +7,12 @@ The interpreter runs a kernel's Python, not its compilation: a GPU-only error (a
 global read in a jit function, a conversion the backend lacks) or a lost optimization (loads
 that are not pipelined) shows only here or on the GPU. Run in a process of its own, without
 ``TRITON_INTERPRET``: the kernels must be ``JITFunction`` objects. Each summary gives the shared
-memory, the registers per thread and the local memory (spills; what ``n_regs``/``n_spills``
-give once loaded on a GPU, here from the bundled ``cuobjdump``), the number of ``cp.async``
-copies in the PTX, the loads of the main loop that stayed synchronous (``tt.load`` in the
-TTGIR's ``scf.for`` body), and the main loop's instructions, one iteration (one KV tile per
-program): PTX and SASS counts and the PTX conversions, shared-memory loads and MMAs by
-opcode."""
+memory, the registers per thread and the stack frame (where ptxas spills: 0, none; what
+``n_regs``/``n_spills`` give once loaded on a GPU, here from the bundled ``cuobjdump``), the
+number of ``cp.async`` copies in the PTX, the loads of the main loop that stayed synchronous
+(``tt.load`` in the TTGIR's ``scf.for`` body), and the main loop's instructions, one
+iteration (one KV tile per program): PTX and SASS counts and the PTX conversions,
+shared-memory loads and MMAs by opcode."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def _ptx_loop(ptx: str) -> list[str]:
 
 
 def _cubin_facts(cubin: bytes) -> dict:
-    """Registers, local memory (spills) and the main loop's SASS instruction count."""
+    """Registers, stack frame bytes (spills) and the main loop's SASS instruction count."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -138,7 +138,7 @@ def _cubin_facts(cubin: bytes) -> dict:
             start, end = int(m.group(1), 16), addr
     return {
         "regs": int(re.search(r"REG:(\d+)", usage)[1]),
-        "local": int(re.search(r"LOCAL:(\d+)", usage)[1]),
+        "stack": int(re.search(r"STACK:(\d+)", usage)[1]),
         "loop_sass": sum(start <= addr <= end for addr, _ in code),
     }
 

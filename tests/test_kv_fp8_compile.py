@@ -68,7 +68,7 @@ def test_fp8_decode_runs_f16_dots_on_packed_conversions(compiled):
 
 def test_decode_loops_do_not_spill(compiled):
     for name in ("decode-bf16", *F16_DECODE):
-        assert compiled[name]["local"] == 0, (name, compiled[name])
+        assert compiled[name]["stack"] == 0, (name, compiled[name])
 
 
 def test_decode_smem_model_matches_the_compiled_kernels(compiled):
