@@ -485,6 +485,13 @@ DECODE_CONFIGS = [  # DecodeTuning.tiles; the first is decode_config's default
     (64, 4, 4), (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (64, 8, 3), (64, 8, 4),
     (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
 ]  # fmt: skip
+# Over an fp8 cache (--kv-dtype fp8): a 128-token e4m3 tile carries a 64-token bf16 tile's
+# bytes; the first is DecodeTuning.fp8_tiles. Compile reports of each: tests/sm90_compile.py
+# --fp8-configs (docs/benchmarks/fp8.md).
+FP8_DECODE_CONFIGS = [
+    (128, 8, 3), (128, 8, 2), (128, 8, 4), (128, 4, 3), (128, 4, 2), (128, 4, 4),
+    (64, 4, 4), (64, 4, 3), (64, 4, 5), (64, 4, 6), (64, 8, 4), (64, 8, 6),
+]  # fmt: skip
 PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
           (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)],
@@ -522,19 +529,19 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
     Decode variants are ``DecodeTuning`` values or call arguments, never module state.
-    decode-config: stage-1 (BLOCK_N, warps, stages) (``DecodeTuning.tiles``); pdl:
-    programmatic dependent launch on or off (``DecodeTuning.pdl``); layout: the same KV bytes
-    placed differently: [N, BS, Hkv, D] pages shuffled or in order, or one KV head per
-    sequence (a head's rows contiguous within a page: the layout of a head-major cache) in
-    pages of 16 or 128 tokens or wholly contiguous (SDPA's layout); splits: split counts (at
-    most two waves of 3 programs per SM); page: page sizes; prefill: tile configs (TFLOP/s in
-    "tflops"); hopper: the Hopper prefill path's tile configs and persistent programs per SM
-    (``HOPPER_CONFIGS``) per (tokens, head dim, page), the portable kernel's default beside
-    them (variant "portable"); gluon: the Gluon kernel's ``GluonConfig`` values
-    (``GLUON_CONFIGS``, as tuples) at the same points, the Hopper path's default beside them
-    (variant "hopper"). ``points``: (batch, context) pairs for the decode sweeps.
-    ``kv``: our cache's dtype in every variant. Variants that lost (K/V load hints, loop
-    variants, the combine kernel): docs/benchmarks/kernels-notes.md.
+    decode-config: stage-1 (BLOCK_N, warps, stages) (``DecodeTuning.tiles``;
+    ``FP8_DECODE_CONFIGS`` over an fp8 cache); pdl: programmatic dependent launch on or off
+    (``DecodeTuning.pdl``); layout: the same KV bytes placed differently: [N, BS, Hkv, D]
+    pages shuffled or in order, or one KV head per sequence (a head's rows contiguous within a
+    page: the layout of a head-major cache) in pages of 16 or 128 tokens or wholly contiguous
+    (SDPA's layout); splits: split counts (at most two waves of 3 programs per SM); page: page
+    sizes; prefill: tile configs (TFLOP/s in "tflops"); hopper: the Hopper prefill path's tile
+    configs and persistent programs per SM (``HOPPER_CONFIGS``) per (tokens, head dim, page),
+    the portable kernel's default beside them (variant "portable"); gluon: the Gluon kernel's
+    ``GluonConfig`` values (``GLUON_CONFIGS``, as tuples) at the same points, the Hopper
+    path's default beside them (variant "hopper"). ``points``: (batch, context) pairs for the
+    decode sweeps. ``kv``: our cache's dtype in every variant. Variants that lost (K/V load
+    hints, loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
 
@@ -548,7 +555,7 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
 
     if "decode-config" in which:
         for bsz, ctx in pts:
-            for cfg in DECODE_CONFIGS:
+            for cfg in FP8_DECODE_CONFIGS if kv == "fp8" else DECODE_CONFIGS:
                 tuning = DecodeTuning(tiles=cfg)
                 rec("decode-config", bsz, ctx, cfg,
                     attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv))  # fmt: skip

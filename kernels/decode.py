@@ -34,12 +34,16 @@ program resets its counter), so replays need no memset; calls on one device must
 An fp8 cache (``float8_e4m3fn`` pages with per-(token, KV head) scales, ``kernels.kv_quant``;
 the ``FP8`` constexpr) is dequantized as its tiles are loaded, never in a pass of its own:
 each tile's K and V scales (``[N, Hkv, PAGE]`` pools: 64 contiguous bf16 per page run and
-head) are loaded beside it, the fp8 tile is converted to the queries' dtype (e4m3 values are
-exact in bf16, fp16 and float32) for the usual dot with float32 accumulation (never an fp8
-dot), the K scales multiply the score columns (``s[:, n] *= k_scale[n]``, folded into the
-softmax scale: one multiply a score, as before) and the V scales the columns of P before the
-P.V dot (times ``V_SCALE_SHIFT``, divided out of the output). Without fp8 the kernel compiles
-as before.
+head) are loaded beside it, and the dots run in f16 with float32 accumulation (never an fp8
+dot): e4m3 values are exact in f16 and sm_90 converts them two at a time (to bf16 only
+through f16, one value at a time), so bf16 and fp16 queries are converted to f16 once per
+program, scaled by a power of two that makes any bf16 query fit f16's range
+(``_f16_queries``); float32 queries (tests) take float32 tiles and dots. The K scales
+multiply the score columns (``s[:, n] *= k_scale[n]``, folded into the softmax scale: one
+multiply a score, as before) and the V scales the columns of P before the P.V dot (times
+``V_SCALE_SHIFT``, which keeps them out of f16's subnormals, divided out of the output). The
+output and LSE keep the queries' dtype and float32. Without fp8 the kernel compiles as
+before.
 
 Tuning is a value, ``DecodeTuning`` (``tuning=``; ``DEFAULT_DECODE_TUNING`` holds the measured
 choices); variants that lost their measurements are gone, their numbers kept in
@@ -97,11 +101,39 @@ def _tile_pages(bt, n0, lo, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WIND
 
 
 @triton.jit
+def _pow2(e):
+    """2^e as float32 for integer ``e`` in [-126, 127], from its exponent bits: exact."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_queries(q):
+    """Queries [BG, BD] (bf16 or fp16) for the f16 dots over an fp8 cache: ``q * 2^k`` in f16
+    and ``2^-k``, which the scores are multiplied by, with 2^k putting the largest ``|q|`` in
+    [2^13, 2^14) (exact: powers of two). f16's range is 2^-24 to 65,504, bf16's float32's: so
+    scaled, any bf16 query fits (the K tiles' e4m3 values, up to 448, are exact in f16) and
+    every element down to 2^-27 of the largest keeps f16's 11 bits (a bf16 query has 8);
+    unscaled, a query past 65,504 would be inf. Once per program."""
+    amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+    # floor(log2(amax)) from its exponent bits; an all-zero q (-127) clamped to stay normal
+    e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100)
+    return (q.to(tl.float32) * _pow2(13 - e)).to(tl.float16), _pow2(e - 13)
+
+
+@triton.jit
+def _opaque_f16(x):
+    """``x`` (f16) through an identity the compiler cannot see into: a PTX ``mov`` per pair of
+    values, which ptxas deletes. Triton keeps the ops that computed ``x`` on its side of it."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16,
+                                     is_pure=False, pack=2)  # fmt: skip
+
+
+@triton.jit
 def _attend_tile(
     q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
     stride_kt, head_off, stride_sb, s_head, qk_scale, cap_in, cap_out, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``;
     tokens at or past ``end``, and left of ``lo`` when WINDOWED, masked: never loaded): the
@@ -133,6 +165,15 @@ def _attend_tile(
         v_sc = tl.where(kv_mask, tl.load(VS + srow).to(tl.float32), 0.0)  # 0 past the end
         k = k.to(q.dtype)  # exact
         v = v.to(q.dtype)
+        if PTX and q.dtype == tl.float16:
+            # The P.V dot takes V with its tokens along the reduction: Triton 3.6 would move
+            # the conversion past the tile's shared-memory load into the dot's operand layout,
+            # where a thread gathers its e4m3 bytes one at a time (64 ld.shared.b8 and their
+            # packing per 64-token tile). Kept here, the f16 tile goes through shared memory
+            # once more and ldmatrix.trans transposes it: sm_90 SASS of the loop at (64, 4, 4)
+            # 893 -> 598 instructions per tile, shared memory +16 KB; tl.where on V's rows
+            # pins it too, for 822 (docs/benchmarks/fp8.md).
+            v = _opaque_f16(v)
     if SOFTCAP:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BG, BN]
         if FP8:
@@ -276,6 +317,7 @@ def _decode_split_kernel(
     MERGE_H: tl.constexpr,
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PTX: tl.constexpr,  # compiled for an NVIDIA GPU: inline PTX (the interpreter runs none)
 ):
     if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
         tl.extra.cuda.gdc_wait()
@@ -303,6 +345,10 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BG, BD]
+    if FP8 and q.dtype != tl.float32:  # f16 dots (module doc); float32 queries stay exact
+        q, q_unit = _f16_queries(q)
+        qk_scale = qk_scale * q_unit
+        cap_in = cap_in * q_unit
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -321,7 +367,7 @@ def _decode_split_kernel(
             q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask,
             stride_kb, stride_kt, head_off, stride_sb, hkv * PAGE, qk_scale, cap_in, cap_out,
             PAGE=PAGE, BLOCK_N=BLOCK_N, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8,
-            DOT_PRECISION=DOT_PRECISION,
+            DOT_PRECISION=DOT_PRECISION, PTX=PTX,
         )  # fmt: skip
         pages = nxt
     # The PDL chain: the next kernel may launch now that the KV is read (it waits). At the
@@ -386,11 +432,17 @@ class DecodeTuning:
     # 18.2-20.2 / 96.5 / 13.0 (at 256-token splits); (64, 4, 2) 14.7 over the window at
     # 256-token splits, (64, 8, 3) and (32, 8, 3) 1-20% slower, (16, 4, *) up to 45%.
     wide_tiles: tuple[int, int, int] = (64, 4, 3)
-    # Stage 1's tiles over an fp8 cache (head dims up to 128; wider ones take wide_tiles);
-    # None: decode_config's, the bf16 choice. An fp8 tile of 64 tokens is half the bytes of a
-    # bf16 one, with the same dot and one conversion a value more: not measured yet (the
-    # kernels.bench --kv-dtype fp8 --sweep decode-config grid is what decides it).
-    fp8_tiles: tuple[int, int, int] | None = None
+    # Stage 1's tiles over an fp8 cache read with f16 dots (16-bit queries; head dims up to
+    # 128, wider ones take wide_tiles), at every split length; None: decode_config's, the
+    # 16-bit caches' rule. NOT MEASURED: chosen by compile report (sm_90, Triton 3.6, head dim
+    # 128; the KV loop's SASS per warp and 32 KB of K/V read; docs/benchmarks/fp8.md): (128, 8,
+    # 3) 578, every load copied ahead (cp.async), 2 tiles (64 KB) in flight, 105 KB of shared
+    # memory (2 programs per SM), 128 registers, no spills; (64, 4, 4) 1,196 (twice 598) for
+    # half the warps, 48 KB in flight; (128, 4, 3) 911, but one scale a thread: its scale
+    # loads stay synchronous in the loop. bf16's (64, 4, 4): 438, 96 KB in flight. A 128-token
+    # e4m3 tile carries a 64-token bf16 tile's bytes. `kernels.bench --kv-dtype fp8 --sweep
+    # decode-config,splits` decides (its FP8_DECODE_CONFIGS).
+    fp8_tiles: tuple[int, int, int] | None = (128, 8, 3)
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
     # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
@@ -464,7 +516,7 @@ def decode_config(
     its own heuristic split count: (64, 4, 4) fastest at 6, 1.2% behind (64, 4, 3) at B=8/4K;
     (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
     8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). Head dims over 128:
-    ``tuning.wide_tiles``; an fp8 cache: ``tuning.fp8_tiles`` when set."""
+    ``tuning.wide_tiles``; an fp8 cache read with f16 dots: ``tuning.fp8_tiles`` when set."""
     if head_dim > 128:
         return tuning.wide_tiles
     return tuning.fp8_tiles if fp8 and tuning.fp8_tiles is not None else (64, 4, 4)
@@ -482,21 +534,30 @@ def stages_for(
     return (block_n, warps, stages - 1) if split_tokens <= tuning.short_split_tokens else config
 
 
-def fit_smem(config: tuple[int, int, int], head_dim: int, itemsize: int) -> tuple[int, int, int]:
+def fit_smem(
+    config: tuple[int, int, int], head_dim: int, itemsize: int, fp8: bool = False
+) -> tuple[int, int, int]:
     """``config`` with BLOCK_N halved (down to 16) until one program's shared memory fits the
     sm_90 limit: num_stages - 1 K and V tiles plus q and layout scratch. The measured tiles are
     for bf16/fp16; float32 caches (tests) at head dim 256 and (64, 4, 3) asked 282,688 bytes of
-    232,448 (H100, Triton 3.6): (32, 4, 3) there."""
+    232,448 (H100, Triton 3.6): (32, 4, 3) there. ``fp8``: as in ``plan_splits``."""
     block_n, warps, stages = config
-    while block_n > 16 and _smem_bytes(block_n, stages, head_dim, itemsize) > _SMEM_PER_BLOCK:
+    while block_n > 16 and _smem_bytes(block_n, stages, head_dim, itemsize, fp8) > _SMEM_PER_BLOCK:
         block_n //= 2
     return block_n, warps, stages
 
 
-def _smem_bytes(block_n: int, stages: int, head_dim: int, itemsize: int) -> int:
+def _tile_bytes(block_n: int, stages: int, head_dim: int, itemsize: int, fp8: bool) -> int:
+    """Shared memory of the K/V tiles: num_stages - 1 in flight, and over an fp8 cache (f16
+    dots) the f16 V tile that ldmatrix transposes (``_attend_tile``)."""
+    v16 = block_n * head_dim * 2 if fp8 else 0
+    return max(1, stages - 1) * 2 * block_n * head_dim * itemsize + v16
+
+
+def _smem_bytes(block_n: int, stages: int, head_dim: int, itemsize: int, fp8: bool = False) -> int:
     # scratch: 20.5 KB measured at head dim 256 in float32 (q [16, 256] and layout conversions)
     scratch = 16 * head_dim * itemsize + (8 << 10)
-    return max(1, stages - 1) * 2 * block_n * head_dim * itemsize + scratch
+    return _tile_bytes(block_n, stages, head_dim, itemsize, fp8) + scratch
 
 
 def programs_per_sm(
@@ -504,12 +565,14 @@ def programs_per_sm(
     head_dim: int,
     itemsize: int,
     tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+    fp8: bool = False,
 ) -> int:
-    """Stage-1 programs that fit on one SM at once (shared memory: num_stages - 1 K and V tiles
-    plus ~8 KB for q, P and layout scratch; 38.9 / 71.7 / 104.4 KB at (64, 4, 2 / 3 / 4) on
-    sm_90, Triton 3.6), capped at ``tuning.programs_per_sm``."""
+    """Stage-1 programs that fit on one SM at once (shared memory: the K/V tiles,
+    ``_tile_bytes``, plus ~8 KB for q, P and layout scratch; 38.9 / 71.7 / 104.4 KB at (64, 4,
+    2 / 3 / 4) on sm_90, Triton 3.6; fp8 at (64, 4, 4) 70.8, (128, 8, 3) 105.0), capped at
+    ``tuning.programs_per_sm``."""
     block_n, _, stages = config
-    smem = max(1, stages - 1) * 2 * block_n * head_dim * itemsize + (9 << 10)
+    smem = _tile_bytes(block_n, stages, head_dim, itemsize, fp8) + (9 << 10)
     return max(1, min(tuning.programs_per_sm, _SMEM_PER_SM // smem))
 
 
@@ -549,15 +612,16 @@ def plan_splits(
 ) -> SplitPlan:
     """The split count, minimum split length and stage-1 tiles of a call (see
     ``decode_attention`` for ``num_splits``, ``split_size`` and ``window``; ``itemsize``: the
-    cache's bytes per element, ``fp8``: an fp8 cache); host ints only, so the plan of a
-    CUDA-graph capture holds for its replays.
+    cache's bytes per element, ``fp8``: an fp8 cache read with f16 dots, i.e. by 16-bit queries;
+    float32 queries, the tests', keep the 16-bit caches' tiles); host ints only, so the plan of
+    a CUDA-graph capture holds for its replays.
 
     A row reads at most ``min(max_seq_len, window)`` tokens, which the heuristic sizes the
     splits by: a 4,096-token window at 128K gets the plan of a 4K context. A row's KV starts
     at its window's first token rounded down to a tile, so up to ``window + BLOCK_N - 1``
     tokens: the split count of ``split_size`` mode counts those, so that every split is
     ``split_size`` long whatever the row's alignment (batch invariance)."""
-    tiles = tuning.tiles or fit_smem(decode_config(head_dim, tuning, fp8), head_dim, itemsize)
+    tiles = tuning.tiles or fit_smem(decode_config(head_dim, tuning, fp8), head_dim, itemsize, fp8)
     block_n = tiles[0]
     span = min(max_seq_len, window) if window > 0 else max_seq_len
     if split_size is not None:
@@ -570,7 +634,7 @@ def plan_splits(
         return SplitPlan(max(1, int(num_splits)), block_n, tiles)
     wide = head_dim > 128
     shortest = tuning.wide_min_split_tokens if wide else tuning.min_split_tokens
-    per_sm = programs_per_sm(tiles, head_dim, itemsize, tuning)
+    per_sm = programs_per_sm(tiles, head_dim, itemsize, tuning, fp8)
     splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning, shortest)
     # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
     min_split = math.ceil(shortest / block_n) * block_n
@@ -612,9 +676,10 @@ def decode_attention(
 
     ``max_seq_len`` bounds every ``seq_lens[b]`` (host int; from the block table's width if
     None): it sizes the grid and must not change between CUDA-graph replays. ``num_splits``
-    overrides the split heuristic; ``split_size`` (a multiple of the KV tile, 64) fixes the
-    tokens per split. ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``:
-    join the decode layer's PDL chain where the device supports it (``kernels.common``).
+    overrides the split heuristic; ``split_size`` (a multiple of the KV tile: 64, or 128 over
+    an fp8 cache with 16-bit queries, ``DecodeTuning.fp8_tiles``) fixes the tokens per split.
+    ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``: join the decode
+    layer's PDL chain where the device supports it (``kernels.common``).
     ``window`` > 0: each row attends to its last ``window`` tokens only (and reads only their
     pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
     layer's host values (0: off), fixed for a captured graph. An fp8 cache (``float8_e4m3fn``
@@ -638,8 +703,9 @@ def decode_attention(
 
     itemsize = k_cache.element_size()
     fp8 = is_fp8(k_cache)
+    f16_dots = fp8 and q.dtype != torch.float32  # the fp8 tiles' plan (plan_splits)
     plan = plan_splits(bsz, hkv, d, itemsize, max_seq_len, _num_sms(q.device), tuning,
-                       num_splits, split_size, window, fp8)  # fmt: skip
+                       num_splits, split_size, window, f16_dots)  # fmt: skip
     if plan.splits == 1:  # stage 1 writes the output
         part_out, part_lse = out, lse if return_lse else out.new_empty((1,), dtype=torch.float32)
         counters = part_lse  # unused
@@ -647,7 +713,7 @@ def decode_attention(
         part_out = torch.empty((bsz, hq, plan.splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((bsz, hq, plan.splits), dtype=torch.float32, device=q.device)
         counters = _split_counters(q.device, bsz * hkv)
-    per_sm = programs_per_sm(plan.tiles, d, itemsize, tuning)
+    per_sm = programs_per_sm(plan.tiles, d, itemsize, tuning, f16_dots)
     scales = (k_scale, v_scale) if fp8 else None
     launch = functools.partial(
         _launch, q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out,
@@ -733,6 +799,7 @@ def _launch(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PTX=q.is_cuda and torch.version.hip is None,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
 

@@ -45,7 +45,11 @@ FP8_AMAX_FLOOR = 2.0**-64
 # The P.V dot of the kernels multiplies P by ``v_scale * V_SCALE_SHIFT`` and the output by its
 # inverse: a power of two, exact. It lifts p * v_scale out of fp16's subnormals (below 6.1e-5:
 # v_scale is amax / 448, ~2e-4 for a head whose values reach 0.1) without overflow
-# (amax * 256 / 448 < amax <= fp16's max); bf16 and float32 are unaffected.
+# (amax * 256 / 448 < amax <= fp16's max); bf16 and float32 are unaffected. The decode kernel
+# runs its dots in f16 for bf16 queries too: there p * v_scale * 256 (p <= 1) overflows only
+# for a V amax over 114,632, and where it is subnormal (p * amax < 1.1e-4) its rounding error
+# is at most 2^-25 * 448 / 256 = 5.2e-8 of the output per token (before the division by the
+# softmax sum >= 1), more than bf16's relative 2^-9 only for p * amax < 2.7e-5.
 V_SCALE_SHIFT = 256.0
 
 

@@ -1,21 +1,27 @@
 """Compile the attention and GEMV kernels for sm_90 without a GPU (Triton's own ptxas), and
 summarize what came out: ``python tests/sm90_compile.py [PREFIX ...]`` prints one JSON object
-per kernel variant (those whose names start with a PREFIX: ``decode``, ``gemv-fp8``, ...).
+per kernel variant (those whose names start with a PREFIX: ``decode``, ``gemv-fp8``, ...;
+``--fp8-configs``: the decode kernel over an fp8 cache at each tile config of the
+``kernels.bench`` fp8 sweep instead).
 
 The interpreter runs a kernel's Python, not its compilation: a GPU-only error (a non-constexpr
 global read in a jit function, a conversion the backend lacks) or a lost optimization (loads
 that are not pipelined) shows only here or on the GPU. Run in a process of its own, without
-``TRITON_INTERPRET``: the kernels must be ``JITFunction`` objects. Each summary gives the shared
-memory, registers and stack (spills), the number of ``cp.async`` copies, bulk tensor copies
-(TMA) and warpgroup MMAs (``wgmma``) in the PTX, and the loads of the innermost loops that
-stayed synchronous (``tt.load`` of a tensor in the TTGIR's innermost ``scf.for`` bodies); a
-GEMV's (``gemv-*``) gives its registers and stack, and its main loop's instruction mix: per
-thread and K step, the PTX instructions by kind (``cvt``, ``fma``, ``mma``, ``wgmma``, global
-loads and ``cp.async``, shared loads) and the SASS instructions in all, each also per byte of
-weight the thread streams."""
+``TRITON_INTERPRET``: the kernels must be ``JITFunction`` objects. Every summary gives the
+shared memory, the registers per thread and the stack frame (where ptxas spills; what
+``n_regs``/``n_spills`` give once loaded on a GPU, here from the bundled ``cuobjdump``) and the
+main loop (the longest loop: the KV loop of the attention kernels, the K loop of the GEMV), one
+iteration: its PTX and SASS instruction counts, its PTX instructions by kind (``cvt``, ``fma``,
+``mma``, ``wgmma``, global loads and ``cp.async``, shared loads) and the conversions,
+shared-memory loads and MMAs by opcode; a GEMV's also per byte of weight a thread streams. The
+attention kernels' also give the number of ``cp.async`` copies, bulk tensor copies (TMA) and
+warpgroup MMAs in the PTX, the loads of the pipelined innermost loops that stayed synchronous
+(``tt.load`` of a tensor in those TTGIR ``scf.for`` bodies) and the pipelines' depth."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import os
 import re
@@ -67,14 +73,17 @@ def _caches(fp8: bool, dt: str) -> dict:
     return {"K": kv, "V": kv, "KS": "*bf16" if fp8 else kv, "VS": "*bf16" if fp8 else kv}
 
 
-def decode_kernel(fp8: bool, dt: str = "bf16", d: int = 128, tiles=(64, 4, 4), **flags):
+def decode_kernel(fp8: bool, dt: str = "bf16", d: int = 128, tiles=None, **flags):
+    """Stage 1 of decode; ``tiles`` None: the launcher's (``decode_config``; float32 queries
+    over an fp8 cache take the 16-bit caches' tiles, as in ``decode_attention``)."""
+    tiles = tiles or decode.decode_config(d, fp8=fp8 and dt != "fp32")
     ptrs = {"Q": f"*{dt}", **_caches(fp8, dt), "SeqLens": "*i32", "BlockTables": "*i32",
             "PartOut": "*fp32", "PartLse": "*fp32", "Out": f"*{dt}", "Lse": "*fp32",
             "Counters": "*i32"}  # fmt: skip
     consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, DIRECT=False, STORE_LSE=False, PDL_WAIT=True,
                   CHAIN=True, WINDOWED=False, SOFTCAP=False, FP8=fp8, BLOCK_G=16,
                   BLOCK_N=tiles[0], BLOCK_D=d, MERGE_H=4, MERGE_S=8,
-                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32")  # fmt: skip
+                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32", PTX=True)  # fmt: skip
     consts.update(flags)
     return _compile(decode._decode_split_kernel, ptrs, consts, num_warps=tiles[1],
                     num_stages=tiles[2])  # fmt: skip
@@ -186,37 +195,50 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def resources(kernel) -> dict:
-    """Registers per thread and the stack frame (where spills go) of the cubin, read by the
-    ``cuobjdump`` that ships with Triton (``CompiledKernel.n_regs`` / ``n_spills`` are only
-    filled in when the kernel is loaded on a GPU)."""
+def _on_cubin(kernel, tool: str, *args: str) -> str:
+    """The output of one of Triton's bundled CUDA tools run on the kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return subprocess.run([_tool(tool), *args, f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def resources(kernel) -> dict:
+    """Registers per thread and the stack frame (where spills go) of the cubin."""
+    out = _on_cubin(kernel, "cuobjdump", "--dump-resource-usage")
     regs, stack, local = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out).groups()
     return {"regs": int(regs), "stack_bytes": int(stack), "local_bytes": int(local)}
 
 
-def _first_loop(lines: list[str], label: str, branch: str) -> list[str]:
-    """The body of the first loop in ``lines``: from a line matching ``label`` to the first later
-    line matching ``branch`` with the same group 1 (a jump back to that label)."""
-    starts = {}
-    for i, line in enumerate(lines):
-        if m := re.match(label, line):
-            starts[m[1]] = i
-        elif (m := re.search(branch, line)) and m[1] in starts:
-            return lines[starts[m[1]] : i + 1]
-    return []
+def _longest_loop(text: str, label: str, branch: str) -> str:
+    """The longest span from a label to a branch back to it (the main loop of these kernels)."""
+    best = ""
+    for m in re.finditer(label, text, re.M):
+        back = re.search(branch.format(re.escape(m.group(1))), text[m.end() :])
+        if back and back.end() > len(best):
+            best = text[m.end() : m.end() + back.end()]
+    return best
 
 
-def _disassemble(kernel) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+def _ptx_loop(ptx: str) -> list[str]:
+    """Opcodes of the main loop's PTX instructions (labels, braces and directives left out)."""
+    body = _longest_loop(ptx, r"^(\$L__BB\d+_\d+):", r"bra(?:\.uni)?\s+{};")
+    lines = (line.strip() for line in body.splitlines())
+    return [re.sub(r"^@!?%p\d+\s+", "", line).split()[0].rstrip(";") for line in lines
+            if line and not line.startswith(("//", "$", "{", "}", "."))]  # fmt: skip
+
+
+def _sass_loop(kernel) -> int:
+    """SASS instructions of the main loop: those within the longest backward branch."""
+    sass = _on_cubin(kernel, "cuobjdump", "-sass")
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    start = end = 0
+    for addr, op in code:
+        m = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr and addr - int(m.group(1), 16) > end - start:
+            start, end = int(m.group(1), 16), addr
+    return sum(start <= addr <= end for addr, _ in code)
 
 
 _PTX_KINDS = {
@@ -229,18 +251,19 @@ _PTX_KINDS = {
 }
 
 
-def loop_mix(kernel, weight_bytes: int) -> dict:
-    """The main loop's instructions per thread and K step: PTX by kind, SASS in all; and each
-    per byte of weight the thread streams a step (``weight_bytes``)."""
-    ptx = _first_loop(kernel.asm["ptx"].splitlines(), r"(\$L__BB\w+):",
-                        r"\bbra(?:\.uni)?\s+(\$L__BB\w+);")  # fmt: skip
-    ops = [s.split()[0] for s in (re.sub(r"^\s*@!?%p\d+\s+", "", s) for s in ptx) if s.strip()]
+def loop_mix(kernel, weight_bytes: int | None = None) -> dict:
+    """The main loop, one iteration per thread: PTX and SASS instruction counts, the PTX by
+    kind (``_PTX_KINDS``), the conversions, shared loads and MMAs by opcode (``ops``); with
+    ``weight_bytes`` (a GEMV: the weight bytes a thread streams an iteration) each count per
+    byte as well."""
+    ops = _ptx_loop(kernel.asm["ptx"])
     mix = {k: sum(op.startswith(p) for op in ops) for k, p in _PTX_KINDS.items()}
-    sass = _first_loop(_disassemble(kernel).splitlines(), r"(\.L_x_\d+):",
-                         r"BRA\s+`?\(?(\.L_x_\d+)")  # fmt: skip
-    mix["sass"] = sum(bool(re.match(r"\s*/\*[0-9a-f]+\*/", s)) for s in sass)
-    per_byte = {k: round(v / weight_bytes, 3) for k, v in mix.items()}
-    return {**mix, "bytes": weight_bytes, "per_byte": per_byte}
+    mix.update(ptx=len(ops), sass=_sass_loop(kernel))
+    if weight_bytes:
+        mix.update(bytes=weight_bytes,
+                   per_byte={k: round(v / weight_bytes, 3) for k, v in mix.items()})  # fmt: skip
+    picked = (op for op in ops if op.startswith(("cvt", "ld.shared", "ldmatrix", "mma", "wgmma")))
+    return {**mix, "ops": dict(sorted(collections.Counter(picked).items()))}
 
 
 def gemv_summary(w: str, tile=(8, 2048, 8, 3), **options) -> dict:
@@ -258,7 +281,8 @@ def gluon_summary(kernel) -> dict:
     partitions' captured scalars), the partitions' warps and requested registers (TTGIR), the
     ``setmaxnreg`` values in the PTX, and the PTX counts of TMA copies, ``wgmma`` and
     ``wgmma.wait_group`` by depth (1: a wgmma left in flight under the softmax)."""
-    ttgir, ptx, sass = kernel.asm["ttgir"], kernel.asm["ptx"], _disassemble(kernel)
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    sass = _on_cubin(kernel, "cuobjdump", "-sass")
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
     warps = re.findall(r'"ttg.num-warps" = (\d+)|num_warps\((\d+)\)', ttgir)
     regs = re.search(r"requestedRegisters = array<i32: ([^>]*)>", ttgir)[1]
@@ -294,6 +318,7 @@ def summary(kernel) -> dict:
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
         "loop_loads": re.findall(r"tt\.load [^:]*: (tensor<[^>]*>)", loop),
+        "loop": loop_mix(kernel),
         # tiles in flight per multi-buffered shared allocation (the pipeline's depth)
         "buffers": sorted(
             {
@@ -307,8 +332,9 @@ def summary(kernel) -> dict:
 VARIANTS = {
     "decode-bf16": lambda: decode_kernel(False),
     "decode-fp8": lambda: decode_kernel(True),
-    "decode-fp8-d256-window-softcap": lambda: decode_kernel(True, d=256, tiles=(64, 4, 3),
-                                                           WINDOWED=True, SOFTCAP=True),
+    "decode-fp8-fp16": lambda: decode_kernel(True, dt="fp16"),
+    "decode-fp8-d256-window-softcap": lambda: decode_kernel(True, d=256, WINDOWED=True,
+                                                           SOFTCAP=True),
     "decode-fp8-fp32": lambda: decode_kernel(True, dt="fp32"),
     "prefill-bf16": lambda: prefill_kernel(False),
     "prefill-bf16-d64": lambda: prefill_kernel(False, d=64, cfg=(128, 64, 8, 3)),
@@ -324,19 +350,33 @@ VARIANTS = {
     "prefill-hopper-d256": lambda: hopper_prefill_kernel(256, 64),
     "rope-fp8": lambda: rope_kernel(True),
 }  # fmt: skip
+
+
+def gluon_row(make) -> dict:
+    """``gluon_summary`` of the kernel ``make()`` compiles; a note instead under a Triton other
+    than 3.6, whose Gluon the kernel is written for (its API moves between versions)."""
+    if not triton.__version__.startswith("3.6."):
+        return {"skipped": f"written for Triton 3.6, this is {triton.__version__}"}
+    return gluon_summary(make())
+
+
 _GC = prefill_gluon.GluonConfig
 # the Gluon kernel: its defaults (gluon_config) per head dim and page, and the alternatives that
 # kernels.bench's gluon sweep times
 GLUON_VARIANTS = {
-    "gluon-prefill-d128-page128": lambda: gluon_prefill_kernel(),
-    "gluon-prefill-d128-page128-2stages": lambda: gluon_prefill_kernel(cfg=_GC(128, 2)),
-    "gluon-prefill-d128-page128-no-pingpong": lambda: gluon_prefill_kernel(
-        cfg=_GC(128, 3, pingpong=False)),
-    "gluon-prefill-d128-page64": lambda: gluon_prefill_kernel(page=64),
-    "gluon-prefill-d128-page128-fp16": lambda: gluon_prefill_kernel(dt="fp16"),
-    "gluon-prefill-d64": lambda: gluon_prefill_kernel(64, 64),
-    "gluon-prefill-d256": lambda: gluon_prefill_kernel(256, 64),
-    "gluon-prefill-launch-d128-page128": lambda: gluon_launch_kernel(),  # (last: sets a driver)
+    name: functools.partial(gluon_row, make)
+    for name, make in {
+        "gluon-prefill-d128-page128": lambda: gluon_prefill_kernel(),
+        "gluon-prefill-d128-page128-2stages": lambda: gluon_prefill_kernel(cfg=_GC(128, 2)),
+        "gluon-prefill-d128-page128-no-pingpong": lambda: gluon_prefill_kernel(
+            cfg=_GC(128, 3, pingpong=False)),
+        "gluon-prefill-d128-page64": lambda: gluon_prefill_kernel(page=64),
+        "gluon-prefill-d128-page128-fp16": lambda: gluon_prefill_kernel(dt="fp16"),
+        "gluon-prefill-d64": lambda: gluon_prefill_kernel(64, 64),
+        "gluon-prefill-d256": lambda: gluon_prefill_kernel(256, 64),
+        # the launcher's own call; last: it sets a compile-only driver
+        "gluon-prefill-launch-d128-page128": lambda: gluon_launch_kernel(),
+    }.items()
 }  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the heuristic's tiles (kernels.gemv.gemv_config) for
 # bf16 weights (M = 1, M > 1) and fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps
@@ -359,16 +399,22 @@ GEMV_VARIANTS = {
 }  # fmt: skip
 
 
+def fp8_configs() -> dict:
+    """The decode kernel over an fp8 cache (bf16 queries, head dim 128) at each tile config
+    that ``kernels.bench --kv-dtype fp8 --sweep decode-config`` times."""
+    from kernels.bench import FP8_DECODE_CONFIGS
+
+    return {f"decode-fp8-{'x'.join(map(str, c))}": functools.partial(decode_kernel, True, tiles=c)
+            for c in FP8_DECODE_CONFIGS}  # fmt: skip
+
+
 if __name__ == "__main__":
-    everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS}
-    for name in [v for v in everything if any(v.startswith(a) for a in sys.argv[1:] or [""])]:
-        if name in GEMV_VARIANTS:
-            row = GEMV_VARIANTS[name]()
-        elif name in GLUON_VARIANTS:
-            if not triton.__version__.startswith("3.6."):  # Gluon's API moves between versions
-                row = {"skipped": f"written for Triton 3.6, this is {triton.__version__}"}
-            else:
-                row = gluon_summary(GLUON_VARIANTS[name]())
-        else:
-            row = summary(VARIANTS[name]())
+    if sys.argv[1:] == ["--fp8-configs"]:
+        everything, prefixes = fp8_configs(), [""]
+    else:
+        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS}
+        prefixes = sys.argv[1:] or [""]
+    for name in [v for v in everything if v.startswith(tuple(prefixes))]:
+        kernel_or_row = everything[name]()
+        row = kernel_or_row if isinstance(kernel_or_row, dict) else summary(kernel_or_row)
         print(json.dumps({"variant": name, **row}), flush=True)

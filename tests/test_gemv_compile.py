@@ -5,29 +5,13 @@ twice bf16's; docs/benchmarks/fp8.md). Counts from tests/sm90_compile.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
-SCRIPT = Path(__file__).with_name("sm90_compile.py")
+from compile_reports import sm90_reports
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas to compile for sm_90 with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default Triton 3.9 warns it will change
-    run = subprocess.run([sys.executable, str(SCRIPT), "gemv"], capture_output=True, text=True,
-                         env=env, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return {r["variant"]: r for r in rows}
+    return sm90_reports("gemv")
 
 
 def test_every_gemv_variant_compiles_without_spills(compiled):

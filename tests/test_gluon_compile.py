@@ -11,16 +11,10 @@ the path: ``PYTHONPATH=/tmp/t36:$PWD python -m pytest -q tests/test_gluon_compil
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from compile_reports import sm90_reports
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
-SCRIPT = Path(__file__).with_name("sm90_compile.py")
 H100_SMEM = 232_448  # bytes of shared memory a block may have on sm_90
 
 
@@ -28,14 +22,7 @@ H100_SMEM = 232_448  # bytes of shared memory a block may have on sm_90
 def compiled() -> dict[str, dict]:
     if not triton.__version__.startswith("3.6."):
         pytest.skip(f"the Gluon kernel targets Triton 3.6, this is {triton.__version__}")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas to compile for sm_90 with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(SCRIPT), "gluon"], capture_output=True, text=True,
-                         env=env, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return {r["variant"]: r for r in rows}
+    return sm90_reports("gluon")
 
 
 def test_every_gluon_variant_compiles_and_fits(compiled):

@@ -5,8 +5,10 @@ The attention kernels are checked against the float64 reference applied to the *
 cache (``q * scale``, exact in float64), so what is tested is the kernel, not the quantization
 error: their tolerances are those of the same kernels over an fp16/fp32 cache. The quantizers
 (Triton's in ``rope_write_kv``, torch's in ``reference.write_kv``) must agree byte for byte,
-and the round trip must stay within e4m3's bound. Interpreter sizes; bf16 and long contexts are
-in tests/test_kv_fp8_gpu.py.
+and the round trip must stay within e4m3's bound. Interpreter sizes; long contexts are in
+tests/test_kv_fp8_gpu.py. Decode over an fp8 cache runs its dots in f16 for bf16 and fp16
+queries alike (no bf16 ``tl.dot``, which the interpreter miscomputes), so its bf16 queries are
+tested here too; prefill's bf16 dots are tested on the GPU.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from kernels.prefill import prefill_attention  # noqa: E402
 from kernels.rope import rope_write_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# the fp16/fp32 cache tolerances of tests/test_kernels.py: the dequantized cache is exact
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3}
-LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+# the fp16/fp32 cache tolerances of tests/test_kernels.py: the dequantized cache is exact. bf16
+# queries (decode's f16 dots): the bf16 output's rounding, which the interpreter does by
+# truncation (up to 2^-8 of each value; measured 2-3e-3), over f16's (P to 2^-11)
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 8e-3}
+LSE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 E4M3_REL = 2.0**-4  # e4m3 keeps 3 mantissa bits: rounding moves a normal value by <= 2^-4 of it
 
 
@@ -222,6 +226,13 @@ DECODE_CASES = [  # (dtype, hq, hkv, d, lens, page, call options)
     (torch.float16, 6, 2, 96, [77, 300], 16, {"window": 50}),
     (torch.float16, 4, 2, 64, [1, 500, 90], 64, {"window": 128, "softcap": 5.0}),
     (torch.float32, 4, 2, 64, [33, 400], 16, {"softcap": 2.0}),
+    # bf16 queries: the f16 dots of a bf16 model
+    (torch.bfloat16, 8, 2, 128, [1000, 1, 63], 16, {"num_splits": 3}),
+    (torch.bfloat16, 8, 2, 128, [700, 129], 64, {}),
+    (torch.bfloat16, 4, 2, 64, [1, 500, 90], 64, {"window": 128, "softcap": 5.0}),
+    (torch.bfloat16, 6, 2, 96, [77, 300], 16, {"window": 50, "num_splits": 4}),
+    (torch.bfloat16, 4, 1, 256, [40, 300], 64, {"softcap": 10.0}),
+    (torch.float16, 4, 1, 64, [129, 1, 700], 16, {"split_size": 256}),
 ]
 
 
@@ -301,18 +312,35 @@ def test_head_dim_256_fp8_decode_and_prefill():
 
 def test_small_values_keep_their_precision_in_fp16():
     """V whose values are ~1e-4 (scales ~7e-7): p * v_scale alone would be an fp16 subnormal
-    (below 6.1e-5); the kernels' power-of-two shift (V_SCALE_SHIFT) keeps fp16's tolerance."""
+    (below 6.1e-5); the kernels' power-of-two shift (V_SCALE_SHIFT) keeps fp16's tolerance,
+    for bf16 queries too (decode's f16 dots)."""
     kv = Fp8Paged([600, 5], 2, 64, 16, spread=0.0, gain=1e-4)
-    q = torch.randn(2, 4, 64, device=DEVICE, dtype=torch.float16)
-    out, _ = _decode(q, kv, 0.125)
-    ref, _ = _decode_ref(q, kv, 0.125)
-    assert_close(out, ref, TOL[torch.float16], "fp8 decode, small V")
+    for dtype in (torch.float16, torch.bfloat16):
+        q = torch.randn(2, 4, 64, device=DEVICE).to(dtype)
+        out, _ = _decode(q, kv, 0.125)
+        ref, _ = _decode_ref(q, kv, 0.125)
+        assert_close(out, ref, TOL[dtype], f"fp8 decode, small V, {dtype}")
     cu = _cu([20, 5])
     qp = torch.randn(25, 4, 64, device=DEVICE, dtype=torch.float16)
     out, _ = _prefill(qp, kv, cu, 0.125)
     ref, _ = reference.prefill_attention(qp.double(), kv.kd, kv.vd, cu, kv.seq_lens,
                                          kv.block_tables, 0.125, return_lse=True)  # fmt: skip
     assert_close(out, ref, TOL[torch.float16], "fp8 prefill, small V")
+
+
+@pytest.mark.parametrize("gain", [1e5, 1e-6])
+def test_decode_fp8_bf16_queries_outside_f16s_range(gain):
+    """bf16 queries up to ~4e5 (past f16's 65,504) or ~4e-6 (f16 subnormals, 11 bits lost),
+    with the softmax scale divided by the same factor so the scores are ordinary: the f16 dots
+    take q times a power of two (``_f16_queries``) and keep bf16's tolerance."""
+    kv = Fp8Paged([300, 1, 77], 2, 64, 16)
+    q = (torch.randn(3, 4, 64, device=DEVICE) * gain).to(torch.bfloat16)
+    scale = 0.125 / gain
+    for kw in ({}, {"window": 200, "softcap": 4.0}):
+        out, lse = _decode(q, kv, scale, **kw)
+        ref, ref_lse = _decode_ref(q, kv, scale, **kw)
+        assert_close(out, ref, TOL[torch.bfloat16], f"fp8 decode, queries x {gain} {kw}")
+        assert_close(lse, ref_lse, LSE_TOL[torch.bfloat16], f"fp8 decode lse x {gain} {kw}")
 
 
 def test_reference_attention_reads_fp8_as_its_dequantized_cache():
@@ -361,18 +389,22 @@ def test_fp8_inputs_are_checked(change, message):
                           block_tables=kv.block_tables, scale=0.2, **args)  # fmt: skip
 
 
-def test_fp8_decode_plan_takes_its_own_tiles_only_when_tuned():
-    """Over an fp8 cache the split plan is bf16's (the same tiles and splits) unless
-    ``DecodeTuning.fp8_tiles`` says otherwise; head dims over 128 keep their wide tiles."""
+def test_fp8_decode_plan_takes_the_fp8_tiles():
+    """Over an fp8 cache read with f16 dots the split plan takes ``DecodeTuning.fp8_tiles`` at
+    every split length (no stage fewer for short splits), and with none bf16's (the same tiles
+    and splits); head dims over 128 keep their wide tiles; a 16-bit cache never takes them."""
     from kernels.decode import DecodeTuning, plan_splits
 
+    fp8_tiles = DecodeTuning().fp8_tiles
+    same = DecodeTuning(fp8_tiles=None)
     for batch, ctx in ((1, 4096), (1, 131072), (8, 16384)):
-        assert plan_splits(batch, 8, 128, 1, ctx, 132, fp8=True) == plan_splits(
+        assert plan_splits(batch, 8, 128, 1, ctx, 132, fp8=True).tiles == fp8_tiles
+        assert plan_splits(batch, 8, 128, 2, ctx, 132).tiles != fp8_tiles
+        assert plan_splits(batch, 8, 128, 1, ctx, 132, same, fp8=True) == plan_splits(
             batch, 8, 128, 2, ctx, 132
         )
-    tuned = DecodeTuning(fp8_tiles=(128, 4, 3))
-    assert plan_splits(1, 8, 128, 1, 4096, 132, tuned, fp8=True).tiles == (128, 4, 3)
-    assert plan_splits(1, 8, 128, 2, 4096, 132, tuned).tiles != (128, 4, 3)
+    tuned = DecodeTuning(fp8_tiles=(64, 8, 5))
+    assert plan_splits(1, 8, 128, 1, 4096, 132, tuned, fp8=True).tiles == (64, 8, 5)
     assert plan_splits(1, 8, 256, 1, 4096, 132, tuned, fp8=True).tiles == tuned.wide_tiles
     with pytest.raises(ValueError, match="fp8_tiles"):
         DecodeTuning(fp8_tiles=(100, 4, 3))

@@ -1,9 +1,11 @@
 """The fp8 KV cache on a CUDA GPU (sm_89+): the kernels in bf16 at realistic sizes, decode
 under CUDA graphs, and the engine (Triton backend, eager and CUDA graphs) next to a bf16 cache.
 
-Kernel references are kernels/reference.py in float32 on the *dequantized* cache (e4m3 times a
-bf16 scale is exact in float32), so the tolerances are those of the bf16 kernels over a bf16
-cache (tests/test_kernels_gpu.py). Run on the GPU machine:
+Kernel references are kernels/reference.py in float32 (float64 where the queries' range is the
+point) on the *dequantized* cache (e4m3 times a bf16 scale is exact in float32), so the
+tolerances are the kernels' own rounding: prefill's those of the bf16 kernels over a bf16 cache
+(tests/test_kernels_gpu.py), decode's those of its f16 dots (DECODE_TOL). Run on the GPU
+machine:
 ``python3 -m pytest -q tests/test_kv_fp8_gpu.py``.
 """
 
@@ -26,7 +28,12 @@ from kernels.kv_quant import (
 
 pytestmark = pytest.mark.gpu
 
-BF16_TOL = 2e-2  # bf16 operands (p cast to bf16 before P @ V)
+BF16_TOL = 2e-2  # bf16 operands (p cast to bf16 before P @ V): prefill
+# Decode over an fp8 cache runs f16 dots for bf16 queries: q is exact in f16 (times a power of
+# two), so are the e4m3 tiles; P rounds to f16 (2^-11 of each value, 4.9e-4) and the bf16 output
+# to 2^-9 of each value (2.0e-3 at most, ~1.1e-3 as a norm ratio). 5e-3 holds both with room;
+# bf16 operands would need BF16_TOL.
+DECODE_TOL = 5e-3
 LSE_TOL = 2e-3
 
 
@@ -143,8 +150,52 @@ def test_decode_fp8_bf16(hq, hkv, d, page, lens, window, softcap):
         out, lse = decode_attention(q, kv.k, kv.v, kv.sl, kv.bt, d**-0.5, max_seq_len=max(lens),
                                     out=out, return_lse=True, window=window, softcap=softcap,
                                     **kv.scales, **kw)  # fmt: skip
-        assert_close(out, ref, BF16_TOL, f"fp8 decode {lens} window {window} {kw}")
+        assert_close(out, ref, DECODE_TOL, f"fp8 decode {lens} window {window} {kw}")
         assert_close(lse, ref_lse, LSE_TOL, f"fp8 decode lse {lens} {kw}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gain", [1e5, 1.0, 1e-6])
+def test_decode_fp8_queries_of_any_range_in_f16(dtype, gain):
+    """Queries (bf16 up to ~4e5, past f16's 65,504, or ~4e-6, f16 subnormals; fp16 at 1)
+    with the softmax scale divided by the same factor, against float64 on the dequantized
+    cache: the f16 dots take q times a power of two and keep DECODE_TOL."""
+    from kernels.decode import decode_attention
+
+    if dtype == torch.float16 and gain != 1.0:
+        pytest.skip("fp16 queries are already in f16's range")
+    hq, hkv, d, page, lens = 32, 8, 128, 16, [8192, 1, 4097, 300]
+    kv = Fp8Pools(lens, hkv, d, page)
+    q = (torch.randn(len(lens), hq, d, device="cuda") * gain).to(dtype)
+    scale = d**-0.5 / gain
+    kd, vd = (x.double() for x in kv.dequantized())
+    for kw in ({}, {"window": 1000, "softcap": 30.0}):
+        ref, ref_lse = reference.decode_attention(q.double(), kd, vd, kv.sl, kv.bt, scale,
+                                                  return_lse=True, **kw)  # fmt: skip
+        out, lse = decode_attention(q, kv.k, kv.v, kv.sl, kv.bt, scale, max_seq_len=max(lens),
+                                    return_lse=True, **kv.scales, **kw)  # fmt: skip
+        assert_close(out, ref, DECODE_TOL, f"fp8 decode {dtype} x {gain} {kw}")
+        assert_close(lse, ref_lse, LSE_TOL, f"fp8 decode lse {dtype} x {gain} {kw}")
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_decode_fp8_every_swept_tile_config(page):
+    """Each stage-1 config that ``kernels.bench --kv-dtype fp8 --sweep decode-config`` times
+    (FP8_DECODE_CONFIGS) computes the same attention: Llama-3-8B heads, lengths that end
+    inside a tile and a page, heuristic splits and one split."""
+    from kernels.bench import FP8_DECODE_CONFIGS
+    from kernels.decode import DecodeTuning, decode_attention
+
+    lens = [20000, 1, 4097, 131]
+    kv = Fp8Pools(lens, 8, 128, page)
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    kd, vd = kv.dequantized()
+    ref = reference.decode_attention(q.float(), kd, vd, kv.sl, kv.bt, 128**-0.5)
+    for cfg in FP8_DECODE_CONFIGS:
+        for kw in ({}, {"num_splits": 1}):
+            out = decode_attention(q, kv.k, kv.v, kv.sl, kv.bt, 128**-0.5, max_seq_len=20000,
+                                   tuning=DecodeTuning(tiles=cfg), **kv.scales, **kw)  # fmt: skip
+            assert_close(out, ref, DECODE_TOL, f"fp8 decode tiles {cfg} page {page} {kw}")
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -209,7 +260,7 @@ def test_decode_fp8_cuda_graph_replay():
         for p, kw, o in zip(pools, layers, outs):
             kd, vd = p.dequantized()
             ref = reference.decode_attention(q.float(), kd, vd, sl, bt, d**-0.5, **kw)
-            assert_close(o, ref, BF16_TOL, f"fp8 graph replay {kw} {lens}")
+            assert_close(o, ref, DECODE_TOL, f"fp8 graph replay {kw} {lens}")
 
 
 @pytest.mark.parametrize("chain", [True, False])
@@ -235,7 +286,7 @@ def test_rope_write_kv_fp8_then_decode(chain):
                                **kv.scales)  # fmt: skip
         kd, vd = kv.dequantized()
         ref = reference.decode_attention(q.float(), kd, vd, sl, kv.bt, d**-0.5)
-        assert_close(out, ref, BF16_TOL, f"chain={chain} at {sl.tolist()}")
+        assert_close(out, ref, DECODE_TOL, f"chain={chain} at {sl.tolist()}")
 
 
 # ---------------------------------------------------------------- the engine
