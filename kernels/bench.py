@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.prefill_gluon import GluonConfig as G  # plain values: imports no Gluon kernel
+from kernels.prefill_gluon import GluonConfig as G  # a dataclass: nothing compiles on import
 
 SMOKE = os.environ.get("TRITON_INTERPRET") == "1"  # CPU smoke test of this script only
 DEV = "cpu" if SMOKE else "cuda"
@@ -516,7 +516,7 @@ HOPPER_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages, progr
 HOPPER_SWEEP_POINTS = [(16384, 128, 128), (16384, 128, 64), (4096, 128, 128), (4096, 128, 64),
                        (4096, 64, 64), (4096, 256, 64)]  # (tokens, head dim, page)  # fmt: skip
 GLUON_CONFIGS = {  # head dim: [GluonConfig], the default first (sm90_compile: none spills but
-    # d256's (64, 2), 44-72 bytes; consumers at 232 registers spilled at d128, not kept)
+    # d256's (64, 2), a 48-byte stack; consumers at 232 registers spilled at d128: not kept)
     128: [G(128, 3), G(128, 2), G(128, 3, pingpong=False), G(64, 4), G(64, 3)],
     64: [G(128, 4), G(64, 4), G(128, 4, pingpong=False), G(128, 2)],
     256: [G(64, 2), G(64, 2, pingpong=False), G(32, 4)],
