@@ -452,32 +452,39 @@ def test_prefill_auto_takes_the_hopper_path_on_sm90():
         assert torch.equal(auto, same), (page, picked)
 
 
-def test_prefill_hopper_llama3_8b_16k_chunked():
-    """A 16K prompt of Llama-3-8B heads on 128-token pages at once, and as 3 chunks over the
-    cached context (the engine's chunked prefill), on the Hopper path."""
+@pytest.mark.parametrize("path", ["hopper", "gluon"])
+def test_prefill_sm90_paths_llama3_8b_16k_chunked(path):
+    """A 16K prompt of Llama-3-8B heads on 128-token pages at once (on the Gluon kernel 4,096
+    work items: ~31 per program), and as 3 chunks over the cached context (the engine's
+    chunked prefill), on the Hopper path and the Gluon kernel."""
+    if path == "gluon" and not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
     from kernels.prefill import prefill_attention
 
     n, hq, hkv, d = 16384, 32, 8, 128
     k, v, bt, sl = paged([n], hkv, d, 128)
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     whole = prefill_attention(q, k, v, cu_of([n]), sl, bt, d**-0.5, max_query_len=n,
-                              path="hopper")  # fmt: skip
+                              path=path)  # fmt: skip
     # K/V expanded to the 32 query heads: SDPA's memory-efficient float32 kernel then serves
     # the reference, where grouped heads could leave it 32 x 16K x 16K scores to hold
     kx, vx = (x.float().repeat_interleave(hq // hkv, dim=2) for x in (k, v))
     ref = reference.prefill_attention(q.float(), kx, vx, cu_of([n]), sl, bt, d**-0.5)
-    assert_close(whole, ref, BF16_TOL, "hopper prefill 16K")
+    assert_close(whole, ref, BF16_TOL, f"{path} prefill 16K")
     parts = []
     for a, b in ((0, 5000), (5000, 5001), (5001, n)):
         sl_c = torch.tensor([b], dtype=torch.int32, device="cuda")
         parts.append(prefill_attention(q[a:b], k, v, cu_of([b - a]), sl_c, bt, d**-0.5,
-                                       max_query_len=b - a, path="hopper"))  # fmt: skip
-    assert_close(torch.cat(parts), whole, 1e-2, "hopper chunked vs whole")
+                                       max_query_len=b - a, path=path))  # fmt: skip
+    assert_close(torch.cat(parts), whole, 1e-2, f"{path} chunked vs whole")
 
 
-def test_prefill_hopper_cuda_graph_replay():
+@pytest.mark.parametrize("path", ["hopper", "gluon"])
+def test_prefill_sm90_paths_cuda_graph_replay(path):
     """The descriptors travel by value in the launch: one capture, replays with new block
-    tables, lengths and queries, each right."""
+    tables, lengths and queries, each right (the Hopper path and the Gluon kernel)."""
+    if path == "gluon" and not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
     from kernels.prefill import prefill_attention
 
     bsz, n, hq, hkv, d, page = 2, 1024, 32, 8, 128, 128
@@ -488,7 +495,7 @@ def test_prefill_hopper_cuda_graph_replay():
     sl = torch.full((bsz,), n, dtype=torch.int32, device="cuda")
 
     def call():
-        return prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, path="hopper")
+        return prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, path=path)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -505,7 +512,7 @@ def test_prefill_hopper_cuda_graph_replay():
         out.fill_(float("nan"))
         graph.replay()
         ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt, d**-0.5)
-        assert_close(out, ref, BF16_TOL, f"hopper graph replay ctx={ctx}")
+        assert_close(out, ref, BF16_TOL, f"{path} graph replay ctx={ctx}")
 
 
 @pytest.mark.parametrize("d,softcap", [(128, 0.0), (256, 50.0)])
@@ -615,60 +622,3 @@ def test_prefill_gluon_sweep_configs_are_right(d):
         out = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=1000, config=cfg,
                                 path="gluon")  # fmt: skip
         assert_close(out, ref, BF16_TOL, f"gluon d={d} {cfg}")
-
-
-def test_prefill_gluon_llama3_8b_16k_chunked():
-    """A 16K prompt of Llama-3-8B heads on 128-token pages at once (4,096 work items: ~31 per
-    program), and as 3 chunks over the cached context, on the Gluon kernel."""
-    if not _sm90():
-        pytest.skip("the Gluon kernel runs on sm_90 only")
-    from kernels.prefill import prefill_attention
-
-    n, hq, hkv, d = 16384, 32, 8, 128
-    k, v, bt, sl = paged([n], hkv, d, 128)
-    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
-    whole = prefill_attention(q, k, v, cu_of([n]), sl, bt, d**-0.5, max_query_len=n,
-                              path="gluon")  # fmt: skip
-    kx, vx = (x.float().repeat_interleave(hq // hkv, dim=2) for x in (k, v))
-    ref = reference.prefill_attention(q.float(), kx, vx, cu_of([n]), sl, bt, d**-0.5)
-    assert_close(whole, ref, BF16_TOL, "gluon prefill 16K")
-    parts = []
-    for a, b in ((0, 5000), (5000, 5001), (5001, n)):
-        sl_c = torch.tensor([b], dtype=torch.int32, device="cuda")
-        parts.append(prefill_attention(q[a:b], k, v, cu_of([b - a]), sl_c, bt, d**-0.5,
-                                       max_query_len=b - a, path="gluon"))  # fmt: skip
-    assert_close(torch.cat(parts), whole, 1e-2, "gluon chunked vs whole")
-
-
-def test_prefill_gluon_cuda_graph_replay():
-    """One capture, replays with new block tables, lengths and queries, each right."""
-    if not _sm90():
-        pytest.skip("the Gluon kernel runs on sm_90 only")
-    from kernels.prefill import prefill_attention
-
-    bsz, n, hq, hkv, d, page = 2, 1024, 32, 8, 128, 128
-    k, v, _, _ = paged([3 * n] * bsz, hkv, d, page)
-    q = torch.randn(bsz * n, hq, d, device="cuda", dtype=torch.bfloat16)
-    cu = cu_of([n] * bsz)
-    bt = torch.zeros(bsz, 3 * n // page, dtype=torch.int32, device="cuda")
-    sl = torch.full((bsz,), n, dtype=torch.int32, device="cuda")
-
-    def call():
-        return prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, path="gluon")
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    for ctx in (0, 700, 2048):
-        bt.copy_(torch.randperm(k.shape[0], device="cuda")[: bt.numel()].view_as(bt))
-        sl.fill_(ctx + n)
-        q.copy_(torch.randn_like(q))
-        out.fill_(float("nan"))
-        graph.replay()
-        ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt, d**-0.5)
-        assert_close(out, ref, BF16_TOL, f"gluon graph replay ctx={ctx}")
