@@ -107,8 +107,11 @@ def _dot_steps(w_ptrs, x_ptrs, s_ptr, x_scale, k_lo, k_hi, offs_k, BLOCK_M: tl.c
                 x = x.to(tl.float16)
             w = w.to(x.dtype)  # a float8 weight widens exactly
             xt = tl.trans(_rows(x, BLOCK_M))  # [PK, BM]
-            if W_SCALE == 2:
-                s = tl.load(s_ptr + (k0 + part) // 128)
+            if W_SCALE == 2:  # a part wholly past K (K % 256 in 1..128) has no block: 0
+                if EVEN_K:
+                    s = tl.load(s_ptr + (k0 + part) // 128)
+                else:
+                    s = tl.load(s_ptr + (k0 + part) // 128, mask=k0 + part < k_hi, other=0.0)
                 acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
             else:
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
@@ -180,7 +183,9 @@ def _linear_kernel(
         if range_check:
             redo = (amax > _F16_MAX) | ((amax < _X_SMALL) & (amax > 0))  # [XM]
             if tl.max(redo.to(tl.int32), 0) > 0:  # rare: the steps again, those rows scaled
-                e = tl.where(redo, tl.floor(tl.log2(amax)) - 14, 0.0)
+                # (a row under 2^-113, or flushed to 0 by log2: scaled by 2^100 at most, where
+                # 2^-e would overflow float32)
+                e = tl.where(redo, tl.maximum(tl.floor(tl.log2(amax)) - 14, -100.0), 0.0)
                 acc, _ = _dot_steps(w_ptrs, x_ptrs, s_ptr, tl.exp2(-e), k_lo, k_hi, offs_k,
                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, W_SCALE,
                                     F16_DOT, True, False, DOT_PRECISION)  # fmt: skip

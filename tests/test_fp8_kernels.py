@@ -192,6 +192,39 @@ def test_fp8_gemv_bf16_rows_outside_f16_range(scales, m):
                 assert_close(got[i], ref[i], TOL[torch.bfloat16], what)
 
 
+@pytest.mark.parametrize("magnitude", [1e-36, 1e-38])
+def test_fp8_gemv_bf16_rows_too_small_for_any_shift_stay_finite(magnitude):
+    """A row under 2^-113 would need a shift past float32's range (2^-e overflowed: NaN in
+    every output): it is scaled by 2^100 at most, so it comes out finite and near its (tiny)
+    value, where f16's subnormals keep a few bits."""
+    n, k = 64, 256
+    q, scale = _weight(n, k, "channel")
+    x = _bf16_rows(2, k, [magnitude, 1.0])
+    got = linear_small_m(x, q, weight_scale=scale).float()
+    ref = _ref(x, q, scale)
+    assert torch.isfinite(got).all(), got
+    # within 20% at 1e-36; at 1e-38 (bf16 and float32 subnormals) only bounded
+    bound = 0.2 if magnitude > 1e-37 else 2.0
+    assert (got[0] - ref[0]).abs().max() <= bound * ref[0].abs().max(), (got[0], ref[0])
+    assert_close(got[1], ref[1], TOL[torch.bfloat16], "the row in range beside it")
+
+
+@pytest.mark.parametrize("config", [None, (64, 256, 1, 4, 4)])
+def test_fp8_gemv_block_scales_read_none_past_the_row(config):
+    """K = 9 blocks of 128 with 256-column K steps: the last step's second 128-column part lies
+    wholly past K and has no scale block; reading one there (the next row's, or past the
+    tensor) gave NaN when it held NaN (0 * NaN). The scale tensor here is followed by NaN."""
+    n, k = 128, 1152
+    q, scale = _weight(n, k, "block")
+    rows, cols = scale.shape
+    room = torch.full((rows * cols + 8,), float("nan"), dtype=scale.dtype, device=scale.device)
+    room[: rows * cols] = scale.flatten()
+    poisoned = room[: rows * cols].view(rows, cols)
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.float16)
+    got = linear_small_m(x, q, weight_scale=poisoned, config=config).float()
+    assert_close(got, _ref(x, q, scale), TOL[torch.float16], f"block scales, config {config}")
+
+
 def test_fp8_gemv_heuristic_tiles():
     """fp8 tiles: no split at Llama-3-8B shapes on an H100, 128x128 blocks' rows shared; every
     M on tl.dot (BLOCK_N >= 16)."""
