@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_quant import FP8_KV_DTYPE
+from kernels.prefill import HOPPER_MIN_PAGE
 from kernels.prefill import PATHS as PREFILL_PATHS
 
 _DTYPES = {
@@ -101,8 +102,11 @@ class EngineConfig:
         if self.prefill_path == "hopper":  # what auto would quietly route to the portable path
             if self.attention_backend != "triton" or not self.device.startswith("cuda"):
                 raise ValueError("prefill_path hopper needs the triton backend on a CUDA GPU")
-            if torch.cuda.get_device_capability(self.device)[0] < 9:
-                raise ValueError("prefill_path hopper needs an sm_90 GPU or newer (TMA)")
+            if torch.cuda.get_device_capability(self.device)[0] != 9:
+                raise ValueError("prefill_path hopper needs an sm_90 GPU (H100/H200)")
+            if self.block_size < HOPPER_MIN_PAGE:  # a KV tile is one page's run
+                raise ValueError(f"prefill_path hopper needs block_size >= {HOPPER_MIN_PAGE}, "
+                                 f"got {self.block_size}")  # fmt: skip
             if self.kv_cache_dtype == "fp8":
                 raise ValueError("prefill_path hopper takes bf16/fp16 KV caches, not fp8")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",

@@ -450,8 +450,9 @@ def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     _, page, _, d = k_cache.shape
     if TensorDescriptor is None:
         return "this Triton has no tensor descriptors (triton.tools.tensor_descriptor)"
-    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
-        return "bulk tensor copies (TMA) need sm_90 or newer"
+    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] != 9:
+        # its tiles fill the H100's 227 KiB of shared memory a block (sm_120 has ~99 KiB)
+        return "the Hopper path is sized for sm_90 (H100/H200): TMA copies, 227 KiB of smem"
     if fp8:
         return "fp8 caches take the portable path"
     if d not in HOPPER_HEAD_DIMS:

@@ -107,8 +107,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-path",
         choices=PREFILL_PATHS,
         help="the Triton prefill kernel: portable (default; every GPU), hopper (TMA copies and "
-        "persistent programs; sm_90 with --block-size 64 or more, bf16/fp16 KV), or auto "
-        "(hopper where it can run)",
+        "persistent programs; sm_90 with --block-size 64 or more, bf16/fp16 KV, head dims "
+        "64/128/256), or auto (hopper where it can run)",
     )
     g.add_argument(
         "--pdl-chain",
