@@ -78,25 +78,32 @@ def test_look_ahead_with_a_short_pool(trial: int) -> None:
 def test_look_ahead_with_a_window(trial: int) -> None:
     """Every layer windowed, a pool a little larger than one sequence's peak: blocks go back
     as each step's tokens are read (look-ahead steps too) while the step queued after reads
-    only later positions; every read finds its token, everyone finishes, nothing leaks."""
-    bs = random.choice([1, 4, 16])
-    window = random.choice([1, 7, 16, 40])
-    budget = random.choice([4, 16, 64])
-    arrivals = _arrivals(random.randint(5, 15), 200, 200, spread=40)
-    eng = AsyncFakeEngine(
-        peak_blocks(10**6, bs, window, budget) + random.randint(1, 4),
-        window=window,
-        stop_prob=0.01,
-        abort_prob=0.002,
-        block_size=bs,
-        max_num_seqs=random.choice([2, 4, 32]),
-        max_num_batched_tokens=budget,
-    )
-    longest = max(_blocks(arrivals, bs))
-    eng.run(arrivals)
-    eng.check_all_done()
-    assert eng.aheads and not eng.errored
-    assert longest > eng.bm.num_blocks, "no sequence outgrew the pool"
+    only later positions; every read finds its token, everyone finishes, nothing leaks.
+
+    About 3% of draws queue no look-ahead at all (every step has a prefill in it): every draw
+    is checked, and draws go on until one has queued look-aheads with a sequence that outgrew
+    the pool."""
+    for _ in range(20):
+        bs = random.choice([1, 4, 16])
+        window = random.choice([1, 7, 16, 40])
+        budget = random.choice([4, 16, 64])
+        arrivals = _arrivals(random.randint(5, 15), 200, 200, spread=40)
+        eng = AsyncFakeEngine(
+            peak_blocks(10**6, bs, window, budget) + random.randint(1, 4),
+            window=window,
+            stop_prob=0.01,
+            abort_prob=0.002,
+            block_size=bs,
+            max_num_seqs=random.choice([2, 4, 32]),
+            max_num_batched_tokens=budget,
+        )
+        longest = max(_blocks(arrivals, bs))
+        eng.run(arrivals)
+        eng.check_all_done()
+        assert not eng.errored, eng.errored
+        if eng.aheads and longest > eng.bm.num_blocks:
+            return
+    pytest.fail("no draw queued a look-ahead step with a sequence longer than the pool")
 
 
 def test_rows_that_their_next_token_ends_are_not_queued() -> None:
