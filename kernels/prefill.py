@@ -493,6 +493,9 @@ def _gluon_config(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, c
 
     if config is not None and not isinstance(config, pg.GluonConfig):
         raise ValueError(f'path="gluon" takes a GluonConfig as config, got {config!r}')
+    if config is None and k_cache.shape[1] < 16:  # before gluon_config's own ValueError
+        raise ValueError(f"prefill: the Gluon path cannot run this: page {k_cache.shape[1]} "
+                         "< 16, the smallest KV tile")  # fmt: skip
     cfg = config or pg.gluon_config(q.shape[2], q.dtype, k_cache.shape[1])
     cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     why = pg.gluon_refusal(q, k_cache, window, softcap, fp8, cfg, cap) or hopper_refusal(

@@ -565,6 +565,9 @@ def test_prefill_gluon_path_raises_with_the_reason():
     ]:
         with pytest.raises(ValueError, match=message):
             run_prefill(q, kv, cu_of([50]), 0.125, path="gluon", **kw)
+    small = Paged([50], 1, 64, 8, torch.float16)  # 8-token pages: no KV tile fits
+    with pytest.raises(ValueError, match="Gluon path cannot run this: page 8 < 16"):
+        run_prefill(q, small, cu_of([50]), 0.125, path="gluon")
     with pytest.raises(ValueError, match='for path="gluon"'):
         run_prefill(q, kv, cu_of([50]), 0.125, path="hopper", config=GluonConfig(64, 2))
 
