@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_quant import FP8_KV_DTYPE
-from kernels.prefill import HOPPER_MIN_PAGE
-from kernels.prefill import PATHS as PREFILL_PATHS
+from kernels.prefill_paths import HOPPER_MIN_PAGE
+from kernels.prefill_paths import PATHS as PREFILL_PATHS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -57,7 +57,7 @@ class EngineConfig:
     # chain the decode layer's Triton kernels with programmatic dependent launch (each launched
     # early, waiting in-kernel for the one before it; sm_90+ only); None: on with triton
     pdl_chain: bool | None = None
-    # the prefill kernel's path (kernels.prefill.PATHS): portable (FlashAttention-2, every
+    # the prefill kernel's path (kernels.prefill_paths.PATHS): portable (FlashAttention-2, every
     # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens,
     # bf16/fp16 caches) or auto (hopper where it can run). Portable by default until the
     # Hopper path has been timed on the GPU (docs/benchmarks/kernels.md)

@@ -255,29 +255,8 @@ def prefill_flops(n: int) -> float:
 
 
 def time_prefill_ours(n: int, page: int = 16, d: int = D, kv: str = "bf16", **kw) -> float:
-    from kernels.prefill import prefill_attention
-
-    nb = n // page
-    pools = kv_pools(nb, page, HKV, d, kv)
-    bt = torch.randperm(nb, device=DEV, dtype=torch.int32).view(1, nb)
-    q = torch.randn(n, HQ, d, device=DEV, dtype=DT)
-    cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
-    sl = torch.tensor([n], dtype=torch.int32, device=DEV)
-    out = torch.empty_like(q)
-    return bench_time(
-        lambda: prefill_attention(
-            q,
-            cu_seqlens_q=cu,
-            seq_lens=sl,
-            block_tables=bt,
-            scale=d**-0.5,
-            max_query_len=n,
-            max_seq_len=n,
-            out=out,
-            **pools,
-            **kw,
-        )  # fmt: skip
-    )
+    """µs of one whole-prompt prefill of ``n`` tokens (``time_prefill_chunk`` with no context)."""
+    return time_prefill_chunk(n, n, d=d, page=page, kv=kv, **kw)
 
 
 def time_prefill_chunk(

@@ -70,6 +70,7 @@ from kernels.common import (
     softcap_log2,
 )
 from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
+from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, OPT_IN_PATHS, PATHS
 
 if TYPE_CHECKING:
     from kernels.prefill_gluon import GluonConfig
@@ -418,11 +419,6 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return 128, 64, 8, 2
 
 
-PATHS = ("auto", "portable", "hopper")  # the engine's choices (EngineConfig.prefill_path)
-# kernel-level only until its GPU tests pass: no engine start-up checks cover it yet
-OPT_IN_PATHS = ("gluon",)
-HOPPER_MIN_PAGE = 64  # "auto" takes the Hopper path from here: KV tiles of >= 64 keys
-HOPPER_HEAD_DIMS = (64, 128, 256)  # a descriptor block is [BLOCK_N, D]: a power of two
 HOPPER_SMEM = 225 << 10  # H100: 227 KiB of shared memory per block, less barriers and scratch
 
 

@@ -1,4 +1,5 @@
-"""Comparing a kernel's output with its float64 (or float32) reference, for the kernel tests."""
+"""Comparing a kernel's output with its float64 (or float32) reference, and capturing its calls
+in a CUDA graph, for the kernel tests."""
 
 from __future__ import annotations
 
@@ -22,3 +23,18 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) ->
             f"{what}: rel err {err:.3e} > {tol:.1e}; {int(nan.sum())} NaN; worst at {idx}: "
             f"got {out[idx].item():.6f}, want {ref[idx].item():.6f}"
         )
+
+
+def capture_graph(fn):
+    """``(graph, fn())`` with ``fn``'s calls captured in a CUDA graph: run once on a side
+    stream first (Triton compiles, allocators settle: nothing of that may happen in a capture),
+    then captured; ``graph.replay()`` reruns it on the tensors it captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

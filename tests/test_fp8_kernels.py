@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close  # noqa: E402
+from tensor_checks import assert_close, capture_graph  # noqa: E402
 
 from kernels import fp8, quant  # noqa: E402
 from kernels.gemv import gemv_config, linear, linear_small_m  # noqa: E402
@@ -345,11 +345,7 @@ def test_fp8_gemv_cuda_graph_replay(scales):
     n, k, m = 2048, 4096, 4
     q, scale = _weight(n, k, scales)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    linear_small_m(x, q, weight_scale=scale)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear_small_m(x, q, weight_scale=scale)
+    graph, out = capture_graph(lambda: linear_small_m(x, q, weight_scale=scale))
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         out.fill_(float("nan"))

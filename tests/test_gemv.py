@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close  # noqa: E402
+from tensor_checks import assert_close, capture_graph  # noqa: E402
 
 from kernels import gemv  # noqa: E402
 from kernels.gemv import MAX_M, gemv_config, linear_small_m  # noqa: E402
@@ -179,15 +179,9 @@ def test_cuda_graph_replay(config, m):
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        linear_small_m(x, w, b, config=config)  # compile and allocate outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear_small_m(x, w, b, config=config)
-        out2 = linear_small_m(x, w, b, config=config)  # back to back: counters reused
+    graph, (out, out2) = capture_graph(  # back to back: counters reused
+        lambda: (linear_small_m(x, w, b, config=config), linear_small_m(x, w, b, config=config))
+    )
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         out.fill_(float("nan"))

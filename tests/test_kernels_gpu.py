@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensor_checks import assert_close
+from tensor_checks import assert_close, capture_graph
 
 from kernels import reference
 
@@ -98,14 +98,9 @@ def test_decode_cuda_graph_replay():
     outs = {}
     for mode in ("split", "fixed"):
         kw = {"split_size": 512} if mode == "fixed" else {}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=max_len, **kw)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs[mode] = decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=max_len, **kw)
+        graph, outs[mode] = capture_graph(
+            lambda kw=kw: decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=max_len, **kw)
+        )
         for lens in ([1, 8192, 300, 17], [5000, 64, 65, 8000], [2, 3, 4, 1]):
             bt.copy_(torch.randperm(k.shape[0], device="cuda")[: bsz * bt.shape[1]].view_as(bt))
             sl.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -311,27 +306,29 @@ def test_decode_window_softcap_bf16(hq, hkv, d, page, window, softcap):
 
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("softcap", [0.0, 50.0])
-def test_prefill_window_softcap_bf16(d, softcap):
+@pytest.mark.parametrize("path,page", [("portable", 16), ("hopper", 64)])
+def test_prefill_window_softcap_bf16(d, softcap, path, page):
     """A 2K chunk at the end of a 128K context with a 4K window, a chunk crossing the window
-    edge, a 5K prompt from scratch; pages left of each chunk's first window NaN."""
+    edge, a 5K prompt from scratch; pages left of each chunk's first window NaN. The portable
+    kernel on 16-token pages, the Hopper path on 64-token ones."""
     from kernels.prefill import prefill_attention
 
     hq, hkv, window = 16, 8, 4096
     qlens, ctx = [2048, 1, 3000, 5000], [131072 - 2048, 5000, 2000, 0]
     lens = [a + b for a, b in zip(qlens, ctx)]
-    k, v, bt, sl = windowed_paged(lens, [max(0, c - window + 1) for c in ctx], hkv, d, 16)
+    k, v, bt, sl = windowed_paged(lens, [max(0, c - window + 1) for c in ctx], hkv, d, page)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")  # fmt: skip
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens),
                                  out=out, return_lse=True, window=window,
-                                 softcap=softcap)  # fmt: skip
+                                 softcap=softcap, path=path)  # fmt: skip
     ref, ref_lse = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt,
                                                d**-0.5, return_lse=True, window=window,
                                                softcap=softcap)  # fmt: skip
-    assert_close(out, ref, BF16_TOL, f"prefill window d={d} cap {softcap}")
-    assert_close(lse, ref_lse, LSE_TOL, f"prefill window lse d={d} cap {softcap}")
+    assert_close(out, ref, BF16_TOL, f"{path} prefill window d={d} cap {softcap}")
+    assert_close(lse, ref_lse, LSE_TOL, f"{path} prefill window lse d={d} cap {softcap}")
 
 
 def test_decode_cuda_graph_windowed_and_global_layers():
@@ -351,14 +348,7 @@ def test_decode_cuda_graph_windowed_and_global_layers():
         return [decode_attention(q, k, v, sl, bt, d**-0.5, max_seq_len=max_len, **kw)
                 for (k, v), kw in zip(pools, layers)]  # fmt: skip
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_graph(step)
     n_blocks = pools[0][0].shape[0]
     for lens in ([1, 32768, 4096, 4097], [5000, 64, 30001, 8000], [2, 3, 4, 1]):
         bt.copy_(torch.randperm(n_blocks, device="cuda")[: bsz * bt.shape[1]].view_as(bt))
@@ -497,14 +487,7 @@ def test_prefill_sm90_paths_cuda_graph_replay(path):
     def call():
         return prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=n, path=path)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     for ctx in (0, 700, 2048):  # cached tokens before each chunk of n
         bt.copy_(torch.randperm(k.shape[0], device="cuda")[: bt.numel()].view_as(bt))
         sl.fill_(ctx + n)
@@ -513,29 +496,6 @@ def test_prefill_sm90_paths_cuda_graph_replay(path):
         graph.replay()
         ref = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt, d**-0.5)
         assert_close(out, ref, BF16_TOL, f"{path} graph replay ctx={ctx}")
-
-
-@pytest.mark.parametrize("d,softcap", [(128, 0.0), (256, 50.0)])
-def test_prefill_hopper_window_softcap_bf16(d, softcap):
-    """Windows and soft-capping on the Hopper path (64-token pages): a 2K chunk at the end of a
-    128K context with a 4K window, one crossing the window's edge, a prompt from scratch; the
-    pages left of each chunk's first window NaN."""
-    from kernels.prefill import prefill_attention
-
-    hq, hkv, window = 16, 8, 4096
-    qlens, ctx = [2048, 1, 3000, 5000], [131072 - 2048, 5000, 2000, 0]
-    lens = [a + b for a, b in zip(qlens, ctx)]
-    k, v, bt, sl = windowed_paged(lens, [max(0, c - window + 1) for c in ctx], hkv, d, 64)
-    cu = cu_of(qlens)
-    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens),
-                                 return_lse=True, window=window, softcap=softcap,
-                                 path="hopper")  # fmt: skip
-    ref, ref_lse = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt,
-                                               d**-0.5, return_lse=True, window=window,
-                                               softcap=softcap)  # fmt: skip
-    assert_close(out, ref, BF16_TOL, f"hopper window d={d} cap {softcap}")
-    assert_close(lse, ref_lse, LSE_TOL, f"hopper window lse d={d} cap {softcap}")
 
 
 # ---- prefill, the Gluon kernel (path="gluon": FlashAttention-3 style, sm_90 only) ------------

@@ -15,7 +15,7 @@ import gc
 
 import pytest
 import torch
-from tensor_checks import assert_close
+from tensor_checks import assert_close, capture_graph
 
 from kernels import reference
 from kernels.kv_quant import (
@@ -241,14 +241,7 @@ def test_decode_fp8_cuda_graph_replay():
         return [decode_attention(q, p.k, p.v, sl, bt, d**-0.5, max_seq_len=max_len, **p.scales,
                                  **kw) for p, kw in zip(pools, layers)]  # fmt: skip
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_graph(step)
     n_blocks = pools[0].k.shape[0]
     for lens in ([1, 32768, 4096, 4097], [5000, 64, 30001, 8000], [2, 3, 4, 1]):
         bt.copy_(torch.randperm(n_blocks, device="cuda")[: bsz * bt.shape[1]].view_as(bt))

@@ -37,7 +37,7 @@ from flashserve.models.linear import BLOCK, CHANNEL, QUANTIZE_AT_LOAD, Fp8Weight
 from flashserve.models.presets import preset_config
 from flashserve.models.sharding import SINGLE, TPComm, check_block_scales, check_shardable
 from flashserve.tokenizer.tokenizer import Tokenizer
-from kernels.prefill import HOPPER_HEAD_DIMS
+from kernels.prefill_paths import HOPPER_HEAD_DIMS
 
 log = logging.getLogger(__name__)
 
