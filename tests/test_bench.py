@@ -157,6 +157,33 @@ def test_bench_decode_on_two_tensor_parallel_ranks(tmp_path):
     assert meta["weight_bytes_read"] == 4 * (2 * layer + 64 + 512 * 64 // 2)
     assert meta["kv_bytes_per_token"] == 4 * 2 * 2 * 1 * 16  # fp32, K and V, 2 layers, 1 head
     assert [p["status"] for p in res["points"]] == ["ok", "ok"]
+    # the collectives, timed first on two gloo ranks, are in each point's roofline
+    comm = {int(b): s for b, s in meta["collectives_s_per_step"].items()}
+    assert set(comm) == {1, 2} and all(s > 0 for s in comm.values())
+    for p in res["points"]:
+        roof = p["roofline"]
+        assert roof["collectives_ms_per_step"] == pytest.approx(comm[p["batch"]] * 1e3)
+        by_bytes = p["bytes_per_step"] / (meta["copy_bandwidth_gbs"] * 1e9)
+        assert roof["ms_per_step"] == pytest.approx((by_bytes + comm[p["batch"]]) * 1e3)
+
+
+def test_step_collectives_of_a_70b_split_over_two_ranks():
+    from flashserve.bench.collectives import StepCollectives
+    from flashserve.models.presets import preset_config
+
+    shape = StepCollectives.of(preset_config("llama3.1-70b"), 2, torch.bfloat16)
+    assert (shape.hidden, shape.all_reduces, shape.vocab_rows) == (8192, 2 * 80 + 1, 64128)
+
+
+def test_timing_collectives_names_the_rank_that_failed():
+    """Ranks that cannot join (no CUDA here) end the timing with the reason, not a hang."""
+    from flashserve.bench.collectives import StepCollectives, time_step_collectives
+
+    shape = StepCollectives(hidden=8, layers=1, vocab_rows=4, dtype=torch.float32, size=2)
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(RuntimeError, match=r"collectives failed: rank \d: "):
+        time_step_collectives("cuda", shape, [1])
 
 
 def test_bench_decode_on_two_ranks_counts_fp8_bytes(tmp_path):

@@ -16,9 +16,10 @@ bytes, so under fp8 its roofline column overstates it (``--no-peer``).
 
 With ``--tensor-parallel-size N`` the bytes and the bandwidth are rank 0's: its share of the
 weights (fp8 ones and their scales' share counted as above) and of the KV (its KV heads, in the
-cache's dtype, scales included), over its own GPU's copy bandwidth, so the roofline is one
-GPU's (the N GPUs read in parallel; the all-reduces are the overhead it does not count). The
-peer does not run then (transformers holds the whole model on one device).
+cache's dtype, scales included), over its own GPU's copy bandwidth (the N GPUs read in
+parallel), plus the time the step's collectives take alone, measured first on the same GPUs
+(``flashserve.bench.collectives``: the all-reduces and the logits' gather, replayed in a CUDA
+graph). The peer does not run then (transformers holds the whole model on one device).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from flashserve.engine.llm_engine import LLMEngine
     from flashserve.loaders.load import describe_weights
 
+    comm = _time_collectives(config, args)  # before the engine's own group exists
     bandwidth = copy_bandwidth(device)  # before the model takes the memory
     engine = cli.load_engine(LLMEngine, config)
     graphs = engine.runner.graphs is not None  # before the peer frees them
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     weights = ours_mod.weight_bytes_read(engine)
     kv_per_token = engine.runner.kv_bytes_per_token
     for p in points:
-        _derive(p, weights, bandwidth)
+        _derive(p, weights, bandwidth, comm.get(p["batch"], 0.0))
     result = {
         "meta": {
             **run_metadata(),
@@ -125,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             "tensor_parallel_size": config.tensor_parallel_size,  # the bytes are rank 0's
             "pdl_chain": pdl_chain(device, config.pdl_chain),  # in effect: sm_90+ only
             "copy_bandwidth_gbs": bandwidth / 1e9,
+            # batch -> seconds a step's collectives take alone (tensor parallel; in the roofline)
+            "collectives_s_per_step": comm,
             "weight_bytes_read": weights,
             "kv_bytes_per_token": kv_per_token,
             # what decides the longest point that fits: the pool's size, and on CUDA the
@@ -166,6 +170,18 @@ def _engine_config(args: argparse.Namespace):
         bs = config.block_size
         config.max_kv_tokens = max(b * -(-n // bs) * bs for (_, b), n in need.items())
     return config
+
+
+def _time_collectives(config, args: argparse.Namespace) -> dict[int, float]:
+    """Batch -> seconds of one decode step's collectives on the engine's ranks; {} on one."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return {}
+    from flashserve.bench.collectives import StepCollectives, time_step_collectives
+    from flashserve.loaders.load import read_model_config
+
+    shape = StepCollectives.of(read_model_config(config.model), size, config.torch_dtype)
+    return time_step_collectives(config.device, shape, sorted(set(args.batch)))
 
 
 def _our_steps(args: argparse.Namespace) -> int:
@@ -243,17 +259,19 @@ def _make_peer(engine, args: argparse.Namespace):
         return None, str(exc)
 
 
-def _derive(p: dict[str, Any], weights: int, bandwidth: float) -> None:
+def _derive(p: dict[str, Any], weights: int, bandwidth: float, comm_s: float = 0.0) -> None:
     """Tokens/s, bandwidth and roofline fields of a measured point (in place). The bytes of
-    a step: the weights plus the KV each layer's window reads (``kv_bytes_read``)."""
+    a step: the weights plus the KV each layer's window reads (``kv_bytes_read``); the
+    roofline: those bytes over the bandwidth, plus ``comm_s``, the step's collectives."""
     if p["status"] != "ok":
         return
     bsz = p["batch"]
     step_bytes = weights + p["ours"]["kv_bytes_per_step"]
-    roof_step = step_bytes / bandwidth
+    roof_step = step_bytes / bandwidth + comm_s
     p["bytes_per_step"] = step_bytes
     p["roofline"] = {
         "ms_per_step": roof_step * 1e3,
+        "collectives_ms_per_step": comm_s * 1e3,
         "tokens_per_s_per_seq": 1 / roof_step,
         "tokens_per_s": bsz / roof_step,
     }
@@ -283,6 +301,10 @@ def format_table(points: list[dict[str, Any]]) -> str:
             continue
         if p.get("peer_note"):
             notes.append(f"context {p['context']}, batch {p['batch']}, peer: {p['peer_note']}")
+        comm = p["roofline"]["collectives_ms_per_step"]
+        if comm:
+            notes.append(f"context {p['context']}, batch {p['batch']}: the roofline includes "
+                         f"{comm:.3f} ms of collectives a step")  # fmt: skip
         o, q = p["ours"], p.get("peer") or {}
         rows.append([
             p["context"], p["batch"], o["tokens_per_s_per_seq"], o["tokens_per_s"],
