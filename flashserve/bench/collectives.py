@@ -54,8 +54,10 @@ class StepCollectives:
         return 2 * self.layers + 1
 
 
-def time_step_collectives(device: str, shape: StepCollectives, batches: list[int],
-                          rounds: int = ROUNDS, steps: int = STEPS) -> dict[int, float]:  # fmt: skip
+def time_step_collectives(
+    device: str, shape: StepCollectives, batches: list[int], rounds: int = ROUNDS,
+    steps: int = STEPS,
+) -> dict[int, float]:  # fmt: skip
     """Seconds one decode step's collectives take at each batch size: ``shape.size`` spawned
     ranks from ``device`` on (``cuda`` / ``cuda:K``: one GPU each; ``cpu``: gloo). Raises
     RuntimeError when a rank fails."""
