@@ -121,18 +121,21 @@ def _time_batch(group: TPGroup, shape: StepCollectives, batch: int, rounds: int,
         group.gather_last_dim(logits)
         group.broadcast_(ids)
 
-    run = _graph(step, dev) if dev.type == "cuda" else step
+    graph = _graph(step, dev) if dev.type == "cuda" else None
+    run = graph.replay if graph is not None else step
     run()  # warm-up (the graph's first replay; gloo's first use)
     per_round = []
     for _ in range(rounds):
         dist.barrier()
         per_round.append(_timed(run, steps, dev) / steps)
+    if graph is not None:
+        graph.reset()  # before the group goes: NCCL's teardown waits for its graphs
     return statistics.median(per_round)
 
 
-def _graph(step, dev: torch.device):
+def _graph(step, dev: torch.device) -> torch.cuda.CUDAGraph:
     """``step`` captured in one CUDA graph (after an eager warm-up, on a side stream, as
-    ``cuda_graph`` does); returns its replay."""
+    ``cuda_graph`` does)."""
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(stream):
@@ -142,7 +145,7 @@ def _graph(step, dev: torch.device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay
+    return graph
 
 
 def _timed(run, steps: int, dev: torch.device) -> float:

@@ -119,6 +119,18 @@ class DecodeGraphs:
         tokens there, after staging and before ``replay``)."""
         return self.staging.fixed["input_ids"][:b]
 
+    def release(self) -> None:
+        """Destroy the captured graphs now (not when the last reference goes). Under tensor
+        parallelism this must come before the NCCL group is destroyed: NCCL counts every graph
+        that captured one of its collectives, and its communicator's teardown waits until those
+        graphs are gone (seen on two H200s, 2026-11-26: ``destroy_process_group`` hung on both
+        ranks with the graphs alive)."""
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        if self.runner.device.type == "cuda":  # (tests stand in for graphs on the CPU)
+            torch.cuda.synchronize(self.runner.device)
+
     def replay(self, b: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the staged step (its upload sent): logits [B, V] float32 and the greedy picks
         [2, bucket] float64 (the whole bucket: read back as it is, one contiguous copy; rows

@@ -345,7 +345,11 @@ class ModelRunner:
             self.peers.check_alive()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any."""
+        """Release the CUDA graphs, then stop the tensor-parallel workers, if any (the graphs
+        first: ``DecodeGraphs.release``)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         if self.peers is not None:
             self.peers.close()
 

@@ -85,6 +85,7 @@ def serve(config: EngineConfig, rank: int, local_rank: int, store: dist.Store) -
         while (plan := channel.recv()) is not None:
             runner.follow(plan)
         channel.close()
+        runner.close()  # its CUDA graphs, before NCCL's teardown (which waits for them)
         group.destroy()
     except BaseException as exc:
         _fail(store, rank, exc)
