@@ -21,6 +21,7 @@ _DTYPES = {
 }
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("fp8",)
+TP_ALL_REDUCES = ("nccl", "auto")  # tensor parallelism's all-reduce (engine/parallel.py)
 # the KV cache's dtype: the model's (auto, or the same dtype named), or fp8 (e4m3 pages with
 # per-token scales: kernels.kv_quant); a 16-bit cache under other activations is not a thing
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
@@ -68,6 +69,10 @@ class EngineConfig:
     # ranks the model is split over (Megatron-style tensor parallelism, one process and one
     # GPU each: cuda:0..N-1, or from cuda:K on; on a CPU every rank shares it, over gloo)
     tensor_parallel_size: int = 1
+    # the ranks' all-reduce: nccl, or auto (torch's symmetric-memory one-shot kernel for small
+    # bf16/fp32 messages where the ranks share a host and it passes its start-up check, NCCL
+    # for the rest: flashserve.engine.parallel). nccl by default until auto has run on GPUs
+    tp_all_reduce: str = "nccl"
     # fp8: the decoder's projections in float8 e4m3 with per-channel scales, quantized as the
     # weights load (an fp8 checkpoint is detected from its config.json without it); None:
     # the checkpoint's own (unquantized unless it is an fp8 checkpoint)
@@ -124,6 +129,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")  # fmt: skip
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tp_all_reduce must be one of {TP_ALL_REDUCES}, "
+                             f"got {self.tp_all_reduce!r}")  # fmt: skip
         if self.tensor_parallel_size > 1 and self.is_cuda:
             self._check_gpus()
 

@@ -299,3 +299,36 @@ def test_dummy_fp8_weights_are_the_same_whatever_the_ranks(pair):
     """Each rank draws every whole tensor, quantizes it whole, and keeps its part."""
     assert pair.run(check_fp8_share, "dummy:tiny", "fp8")
     _check_pair(pair, "dummy:tiny", torch.randint(3, 500, (20,)).tolist(), quantization="fp8")
+
+
+def test_the_one_shot_all_reduce_is_refused_where_it_cannot_run():
+    """tp_all_reduce auto takes torch's one-shot kernel only on one host, once per process
+    (torch counts a process's symmetric-memory rendezvous with one counter: a second engine's
+    rank 0 would wait forever for fresh workers), and where torch has the op."""
+    from flashserve.config import EngineConfig
+    from flashserve.engine.parallel import one_shot_refusal
+
+    ok = dict(ranks_share_host=True, used_before=False, has_op=True)
+    assert one_shot_refusal(**ok) is None
+    assert "span hosts" in one_shot_refusal(**{**ok, "ranks_share_host": False})
+    assert "already" in one_shot_refusal(**{**ok, "used_before": True})
+    assert "has no symm_mem" in one_shot_refusal(**{**ok, "has_op": False})
+    assert EngineConfig(device="cpu").tp_all_reduce == "nccl"
+    with pytest.raises(ValueError, match="tp_all_reduce must be one of"):
+        EngineConfig(device="cpu", tp_all_reduce="one-shot")
+
+
+def test_ranks_share_a_host_unless_torchrun_spreads_them(monkeypatch):
+    from flashserve.engine.parallel import _ranks_share_host
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert _ranks_share_host(4)  # the engine started them
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not _ranks_share_host(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _ranks_share_host(4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert not _ranks_share_host(4)  # unknown: NCCL, which works everywhere

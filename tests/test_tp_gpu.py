@@ -107,3 +107,45 @@ def test_pdl_chain_on_two_ranks_gives_the_same_tokens(checkpoint, prompts):
     plain = _generate(checkpoint, prompts, tensor_parallel_size=2, pdl_chain=False)
     for _ in range(2):
         assert _generate(checkpoint, prompts, tensor_parallel_size=2, pdl_chain=True) == plain
+
+
+ONE_ENGINE = """
+import json, sys
+from flashserve.config import EngineConfig
+from flashserve.engine.llm_engine import LLM
+from flashserve.sampling.params import SamplingParams
+path, setting, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+config = EngineConfig(model=path, max_model_len=2048, max_kv_tokens=1 << 15, max_num_seqs=8,
+                      tensor_parallel_size=2, tp_all_reduce=setting)
+with LLM(config) as llm:
+    one_shot = llm.engine.runner.tp.one_shot is not None
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    tokens = [c.token_ids for c in llm.generate(prompts, params)]
+print(json.dumps({"one_shot": one_shot, "tokens": tokens}))
+"""
+
+
+def _fresh_process_tokens(checkpoint, prompts, setting: str) -> dict:
+    """One TP engine in a process of its own (torch allows one symmetric-memory rendezvous
+    sequence per process: ``parallel.one_shot_refusal``), bf16 with CUDA graphs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", ONE_ENGINE, checkpoint, setting,
+                        json.dumps(prompts)], cwd=root, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_one_shot_all_reduce_gives_nccl_s_tokens(checkpoint, prompts):
+    """tp_all_reduce auto takes the one-shot kernel (decode steps' all-reduces, captured in the
+    graphs) and picks NCCL's tokens exactly: on two ranks a sum of two is the same rounding
+    whichever kernel adds it."""
+    auto = _fresh_process_tokens(checkpoint, prompts, "auto")
+    nccl = _fresh_process_tokens(checkpoint, prompts, "nccl")
+    assert auto["one_shot"] and not nccl["one_shot"]
+    assert auto["tokens"] == nccl["tokens"]

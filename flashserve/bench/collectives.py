@@ -55,19 +55,20 @@ class StepCollectives:
 
 
 def time_step_collectives(
-    device: str, shape: StepCollectives, batches: list[int], rounds: int = ROUNDS,
-    steps: int = STEPS,
+    device: str, shape: StepCollectives, batches: list[int], all_reduce: str = "nccl",
+    rounds: int = ROUNDS, steps: int = STEPS,
 ) -> dict[int, float]:  # fmt: skip
     """Seconds one decode step's collectives take at each batch size: ``shape.size`` spawned
-    ranks from ``device`` on (``cuda`` / ``cuda:K``: one GPU each; ``cpu``: gloo). Raises
-    RuntimeError when a rank fails."""
+    ranks from ``device`` on (``cuda`` / ``cuda:K``: one GPU each; ``cpu``: gloo), with the
+    engine's all-reduce (``EngineConfig.tp_all_reduce``). Raises RuntimeError when a rank
+    fails."""
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     store = dist.TCPStore("127.0.0.1", 0, shape.size + 1, is_master=True,
                           wait_for_workers=False, timeout=TIMEOUT)  # fmt: skip
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"flashserve-collectives-{rank}",
-                         args=(rank, device, shape, batches, rounds, steps, store.port,
-                               results))  # fmt: skip
+                         args=(rank, device, shape, batches, all_reduce, rounds, steps,
+                               store.port, results))  # fmt: skip
              for rank in range(shape.size)]  # fmt: skip
     for p in procs:
         p.start()
@@ -86,14 +87,14 @@ def time_step_collectives(
     return payload
 
 
-def _rank_main(rank: int, device: str, shape: StepCollectives, batches: list[int], rounds: int,
-               steps: int, port: int, results) -> None:  # fmt: skip
+def _rank_main(rank: int, device: str, shape: StepCollectives, batches: list[int],
+               all_reduce: str, rounds: int, steps: int, port: int, results) -> None:  # fmt: skip
     """One rank: join, time every batch size; rank 0 reports (or any rank's error)."""
     group = None
     try:
         store = dist.TCPStore("127.0.0.1", port, shape.size + 1, is_master=False,
                               timeout=TIMEOUT)  # fmt: skip
-        group = TPGroup.join(store, rank, shape.size, rank_device(device, rank))
+        group = TPGroup.join(store, rank, shape.size, rank_device(device, rank), all_reduce)
         times = {b: _time_batch(group, shape, b, rounds, steps) for b in batches}
         if rank == 0:
             results.put(("ok", times))

@@ -181,7 +181,8 @@ def _time_collectives(config, args: argparse.Namespace) -> dict[int, float]:
     from flashserve.loaders.load import read_model_config
 
     shape = StepCollectives.of(read_model_config(config.model), size, config.torch_dtype)
-    return time_step_collectives(config.device, shape, sorted(set(args.batch)))
+    return time_step_collectives(config.device, shape, sorted(set(args.batch)),
+                                 config.tp_all_reduce)  # fmt: skip
 
 
 def _our_steps(args: argparse.Namespace) -> int:

@@ -30,6 +30,13 @@ logger = logging.getLogger(__name__)
 # is noticed at once instead (tp_workers' watchdog, and gloo's closed connections).
 TIMEOUT = datetime.timedelta(minutes=10)
 KEY_PREFIX = "flashserve/"  # our keys in the store (torchrun's agent keeps its own there)
+# With tp_all_reduce auto, all-reduces up to this size go through torch's symmetric-memory
+# one-shot kernel (each rank reads the others' buffers over NVLink, one launch) instead of
+# NCCL. Measured on two H200s (NVLink, NCCL multicast off), 2026-11-26, the 65 all-reduces of
+# a Llama-3-8B decode step under a CUDA graph: NCCL 1.2 ms (its LL protocol 1.09, LL128 1.66,
+# Simple 1.93), one-shot 0.41 ms, at 8 KiB and 64 KiB alike (docs/benchmarks/tensor-parallel.md);
+# larger messages were not measured and stay with NCCL.
+ONE_SHOT_MAX_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -79,9 +86,11 @@ class TPGroup:
         self.rank = rank
         self.size = size
         self.device = device
+        self.one_shot: _OneShot | None = None  # small all-reduces (tp_all_reduce auto)
 
     @classmethod
-    def join(cls, store: dist.Store, rank: int, size: int, device: str) -> TPGroup:
+    def join(cls, store: dist.Store, rank: int, size: int, device: str,
+             all_reduce: str = "nccl") -> TPGroup:  # fmt: skip
         """Join the group through ``store``: NCCL on CUDA (each rank bound to its device),
         gloo on the CPU. On CUDA the communicator is warmed up (a first all-reduce and
         gather), so that CUDA graphs can capture its collectives."""
@@ -99,6 +108,8 @@ class TPGroup:
                                 timeout=TIMEOUT, **kwargs)  # fmt: skip
         group = cls(rank, size, dev)
         group.warm_up()
+        if dev.type == "cuda":  # the ranks agree, whatever each one's reason
+            group.one_shot = _OneShot.agreed(group, all_reduce)
         logger.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, dev, backend)
         return group
 
@@ -116,7 +127,8 @@ class TPGroup:
     # ---- what the model calls (sharding.TPComm) ------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
+        if self.one_shot is None or not self.one_shot.all_reduce(x):
+            dist.all_reduce(x)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,5 +153,100 @@ class TPGroup:
         return int(t.item())
 
     def destroy(self) -> None:
+        self.one_shot = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+
+def one_shot_refusal(ranks_share_host: bool, used_before: bool, has_op: bool) -> str | None:
+    """Why this rank (on CUDA, tp_all_reduce auto) cannot take the one-shot all-reduce; None
+    when it can try. Its own reasons only: ``_OneShot.agreed`` has every rank follow a
+    refusal."""
+    if not ranks_share_host:
+        return "the ranks span hosts"
+    if used_before:
+        # torch (2.11) numbers each process's symmetric-memory rendezvous with one counter for
+        # all groups: a second engine's rank 0 would meet fresh workers under another number
+        # and wait forever (pytorch/pytorch#196082; seen here on two H200s, 2026-11-26)
+        return "this process already made a tensor-parallel group with it"
+    if not has_op:
+        return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy_out"
+    return None
+
+
+def _ranks_share_host(size: int) -> bool:
+    """Always when the engine started the ranks; under torchrun when its local world is the
+    whole world."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return torchrun_env() is None or (local is not None and int(local) == size)
+
+
+class _OneShot:
+    """In-place all-reduces of up to ``ONE_SHOT_MAX_BYTES`` of bf16 or float32 through a
+    symmetric-memory buffer: ``torch.ops.symm_mem.one_shot_all_reduce_copy_out``, one kernel
+    that copies the rank's input into its buffer, meets the other ranks, sums every rank's
+    buffer into the input and meets them again before the buffer can be written anew.
+    Captured in CUDA graphs as NCCL's collectives are. float16 is not one of its dtypes
+    (torch 2.11: "not implemented for 'Half'"): NCCL sums those."""
+
+    DTYPES = (torch.bfloat16, torch.float32)
+    used_in_process = False  # one rendezvous per process: one_shot_refusal says why
+
+    def __init__(self, device: torch.device, group_name: str) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        _OneShot.used_in_process = True
+        self.group_name = group_name
+        self.buf = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buf, group_name)
+        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+
+    @classmethod
+    def agreed(cls, group: TPGroup, setting: str) -> _OneShot | None:
+        """With ``setting`` auto, the one-shot all-reduce on every rank or on none (NCCL then):
+        the ranks vote through NCCL before they allocate, and again after a check of exact
+        sums. Every rank has the same setting: nccl needs no vote."""
+        if setting != "auto":
+            return None
+        has_op = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        why = one_shot_refusal(_ranks_share_host(group.size), cls.used_in_process, has_op)
+        if group.min_int(0 if why else 1) == 0:
+            logger.info("all-reduce: NCCL (%s)", why or "another rank's choice")
+            return None
+        one_shot = None
+        try:
+            one_shot = cls(group.device, dist.group.WORLD.group_name)
+            why = one_shot.check(group.rank, group.size)
+        except Exception as exc:  # peer access refused, an op that fails: NCCL serves
+            why = f"{type(exc).__name__}: {exc}"
+        if group.min_int(0 if why else 1) == 0:
+            logger.warning("all-reduce: NCCL, the one-shot kernel failed its check (%s)",
+                           why or "on another rank")  # fmt: skip
+            return None
+        logger.info("all-reduce: one-shot (symmetric memory) up to %d bytes, NCCL above",
+                    ONE_SHOT_MAX_BYTES)  # fmt: skip
+        return one_shot
+
+    def check(self, rank: int, size: int) -> str | None:
+        """None when the kernel sums small integers exactly in each dtype, at every size it
+        takes (one row up to the whole buffer); else what went wrong."""
+        dev = self.buf.device
+        for dtype in self.DTYPES:
+            full = ONE_SHOT_MAX_BYTES // (torch.finfo(dtype).bits // 8)
+            for numel in (8, 4096, full):
+                base = torch.arange(numel, device=dev) % 61  # sums exact in bf16 too
+                x = (base + rank).to(dtype)
+                want = (base * size + sum(range(size))).to(dtype)
+                if not self.all_reduce(x) or not torch.equal(x, want):
+                    return f"{dtype} sums of {numel} elements differ from the exact ones"
+        return None
+
+    def all_reduce(self, x: torch.Tensor) -> bool:
+        """``x`` summed over the ranks, in place; False (nothing done) when it does not fit."""
+        nbytes = x.numel() * x.element_size()
+        if nbytes > ONE_SHOT_MAX_BYTES or x.dtype not in self.DTYPES or not x.is_contiguous():
+            return False
+        buf = self.buf[:nbytes].view(x.dtype).view(x.shape)
+        self.op(buf, x, "sum", self.group_name, x)
+        return True

@@ -78,7 +78,8 @@ def serve(config: EngineConfig, rank: int, local_rank: int, store: dist.Store) -
         config.device = rank_device(config.device, local_rank)
         _limit_threads(config)
         store.set(joined_key(rank), "1")
-        group = TPGroup.join(store, rank, config.tensor_parallel_size, config.device)
+        group = TPGroup.join(store, rank, config.tensor_parallel_size, config.device,
+                             config.tp_all_reduce)  # fmt: skip
         runner = _load(config, group, store)
         channel = StepReceiver(store.get(CHANNEL_KEY).decode())
         logger.info("tensor-parallel worker rank %d ready", rank)

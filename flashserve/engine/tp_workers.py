@@ -94,7 +94,8 @@ class TPWorkers:
         atexit.register(workers.close)  # whatever happens to rank 0, its workers stop
         try:
             workers._wait_keys([joined_key(r) for r in procs], "start", JOIN_TIMEOUT_S)
-            workers.group = TPGroup.join(store, 0, size, rank_device(config.device, 0))
+            workers.group = TPGroup.join(store, 0, size, rank_device(config.device, 0),
+                                         config.tp_all_reduce)  # fmt: skip
         except BaseException:
             workers.close()
             raise
@@ -114,7 +115,8 @@ class TPWorkers:
         workers = cls(config, store, sender, {})
         atexit.register(workers.close)
         workers.group = TPGroup.join(store, 0, env.world_size,
-                                     rank_device(config.device, env.local_rank))  # fmt: skip
+                                     rank_device(config.device, env.local_rank),
+                                     config.tp_all_reduce)  # fmt: skip
         return workers
 
     # ---- start-up ----------------------------------------------------------------------------
