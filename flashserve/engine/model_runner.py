@@ -345,9 +345,9 @@ class ModelRunner:
             self.peers.check_alive()
 
     def close(self) -> None:
-        """Release the CUDA graphs, then stop the tensor-parallel workers, if any (the graphs
-        first: ``DecodeGraphs.release``)."""
-        if self.graphs is not None:
+        """Under tensor parallelism: release the CUDA graphs, then stop the workers, if any
+        (the graphs first: ``DecodeGraphs.release``). One GPU's graphs go with the process."""
+        if self.graphs is not None and self.tp.size > 1:
             self.graphs.release()
             self.graphs = None
         if self.peers is not None:
