@@ -75,9 +75,6 @@ class _Replay:
         for out, new in zip(self.outputs, self.fn()):
             out.copy_(new)
 
-    def reset(self) -> None:  # DecodeGraphs.release
-        self.fn = None
-
 
 @torch.inference_mode()
 def _capture_on_cpu(graphs: DecodeGraphs) -> None:
