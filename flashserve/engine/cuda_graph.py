@@ -128,8 +128,7 @@ class DecodeGraphs:
         for graph, _, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        if self.runner.device.type == "cuda":  # (tests stand in for graphs on the CPU)
-            torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.runner.device)
 
     def replay(self, b: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the staged step (its upload sent): logits [B, V] float32 and the greedy picks
