@@ -103,6 +103,7 @@ class TPGroup:
             torch.cuda.set_device(dev)
             kwargs["device_id"] = dev  # the communicator is created now, on this device
         backend = "nccl" if dev.type == "cuda" else "gloo"
+        _import_before_the_group()
         store = dist.PrefixStore(KEY_PREFIX + "pg/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=TIMEOUT, **kwargs)  # fmt: skip
@@ -153,10 +154,21 @@ class TPGroup:
         return int(t.item())
 
     def destroy(self) -> None:
+        """Leave the group: its threads (gloo's) end here, while Python still runs."""
         self.one_shot = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
+
+def _import_before_the_group() -> None:
+    """torch.distributed.nn's functions default to ``group=group.WORLD``, read when the module
+    is imported. Torch imports it lazily (with torch._dynamo, in the model's load), so after
+    the group exists it would hold the group past ``destroy_process_group``: gloo's threads
+    then ran into the interpreter's exit, where one freeing a collective's last tensors needs
+    the GIL and aborts the process ("terminate called without an active exception", SIGABRT:
+    3 of 150 torchrun runs on a loaded 2-core CPU; 0 of 150 since). Imported first, the
+    defaults are None."""
+    import torch.distributed.nn  # noqa: F401
 
 
 def one_shot_refusal(ranks_share_host: bool, used_before: bool, has_op: bool) -> str | None:
