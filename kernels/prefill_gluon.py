@@ -171,7 +171,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _work_item(wave, pid, progs, n_tiles, n_heads, n_seqs):
         """Item of this program in wave ``wave``: boustrophedon (``kernels.prefill``), heavy
-        (late) query tiles first, heads fastest. Returns (item, tile, head, sequence)."""
+        (late) query tiles first, heads fastest. Returns (item, tile, head, sequence); past
+        the work (item >= n_tiles * n_heads * n_seqs) the tile is negative."""
         per_row = n_heads * n_seqs
         odd = wave % 2
         item = wave * progs + pid + odd * (progs - 1 - 2 * pid)
@@ -191,8 +192,12 @@ if HAVE_GLUON:
         offs_m = tile * _BM + WG * _WG_M + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
         rows = (q_start + offs_m).to(gl.int64)
+        # bounded below too: past the work the tile is negative and q_len 0, and offs_m < q_len
+        # alone let every negative offset through (rows up to 3 MiB before Q: an illegal
+        # address on an H200; tests/test_gluon_model.py walks these loads)
+        in_chunk = (offs_m >= 0) & (offs_m < q_len)
         return gl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                       mask=(offs_m < q_len)[:, None], other=0.0)  # fmt: skip
+                       mask=in_chunk[:, None], other=0.0)  # fmt: skip
 
     @gluon.jit
     def _producer(args, GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,

@@ -15,8 +15,13 @@ j-1 accumulated before tile j's rescale; tiles addressed through the ``[N * PAGE
 view; dead V rows zeroed in the last tile only), against ``kernels.reference`` over pools with
 NaN past every sequence's end.
 
-When the kernel's loops, parities or arithmetic change, change them here too (``_producer``,
-``_consumer``, ``_take_turn``, ``_softmax``)."""
+Addresses: every global access of a launch (the consumers' Q loads, an item ahead and past the
+last wave included, their stores, the producer's block-table entries and copies) walked with
+the kernel's index arithmetic and checked against its tensor, over batches of several
+sequences; Out written once per token and head.
+
+When the kernel's loops, parities, arithmetic or masks change, change them here too
+(``_work_item``, ``_load_q``, ``_producer``, ``_consumer``, ``_take_turn``, ``_softmax``)."""
 
 from __future__ import annotations
 
@@ -45,15 +50,22 @@ class Barrier:
         return self.phase % 2 != parity
 
 
+def deal(wave, pid, progs, n_tiles, n_heads, n_seqs):
+    """``_work_item``: (item, tile, head, sequence) of program ``pid`` in wave ``wave``. Past
+    the work (item >= n_tiles * n_heads * n_seqs) the sequence is still one of the batch (a
+    modulo) but the tile is negative."""
+    per_row = n_heads * n_seqs
+    item = wave * progs + pid + wave % 2 * (progs - 1 - 2 * pid)
+    return item, n_tiles - 1 - item // per_row, item % n_heads, item % per_row // n_heads
+
+
 def work_items(pid, progs, n_tiles, n_heads, seqs):
     """(tile, head, sequence) per wave, as ``_work_item`` deals them (None: past the end)."""
-    n_seqs = len(seqs)
-    per_row = n_heads * n_seqs
-    n_items = n_tiles * per_row
+    n_items = n_tiles * n_heads * len(seqs)
     for wave in range(-(-n_items // progs)):
-        item = wave * progs + pid + wave % 2 * (progs - 1 - 2 * pid)
+        item, tile, h, b = deal(wave, pid, progs, n_tiles, n_heads, len(seqs))
         if item < n_items:
-            yield n_tiles - 1 - item // per_row, item % n_heads, item % per_row // n_heads
+            yield tile, h, b
 
 
 def kv_tiles(tile, seq, block_n):
@@ -205,6 +217,162 @@ def test_the_model_catches_a_broken_protocol():
     m.take_turn = lambda wg, t: iter([(m.turns[wg], (t & 1) ^ wg)])
     m.run()
     assert m.issues != [0, 1] * (len(m.issues) // 2)
+
+
+def q_rows_mask(offs_m, q_len):
+    """``_load_q``'s mask over a warpgroup's 64 query offsets in the chunk (``q_len`` is 0 for
+    an item past the work, whose offsets are negative)."""
+    return (offs_m >= 0) & (offs_m < q_len)
+
+
+def kernel_accesses(qlens, lens, bt, n_pages, page, n_heads, hkv, head_dim, block_n, progs,
+                    q_mask=q_rows_mask):  # fmt: skip
+    """Every global access of one launch of ``_gluon_prefill_kernel``, walked with the kernel's
+    own index arithmetic: ``(tensor, first, end, bound)``, indices ``[first, end)`` that must
+    lie in ``[0, bound)`` (rows of Q, Out and LSE; entries of the int tensors; a block-table
+    entry by its column; pool rows of the ``[N * PAGE, Hkv * D]`` view that a copy reads, and
+    its KV head). The consumers' Q loads (an item ahead, the wave after the last included; at
+    d256 at the item's start), chunk offsets and lengths and stores; the producer's lengths,
+    block-table entries (a tile ahead) and copies. Also returns how often each (token, head)
+    of Out is written."""
+    cu = [0]
+    for n in qlens:
+        cu.append(cu[-1] + n)
+    n_seqs, t = len(qlens), cu[-1]
+    n_tiles = -(-max(qlens) // BLOCK_M)
+    n_items = n_tiles * n_heads * n_seqs
+    waves = -(-n_items // progs)
+    group, q_ahead = n_heads // hkv, head_dim <= 128
+    acc, written = [], torch.zeros(t, n_heads, dtype=torch.int64)
+
+    def entries(name, b, bound):
+        acc.append((name, b, b + 1, bound))
+
+    def load_q(pid, wave, wg):
+        item, tile, h, b = deal(wave, pid, progs, n_tiles, n_heads, n_seqs)
+        entries("cu_seqlens_q", b, n_seqs + 1)
+        entries("cu_seqlens_q", b + 1, n_seqs + 1)
+        q_len = cu[b + 1] - cu[b] if item < n_items else 0
+        offs_m = tile * BLOCK_M + wg * 64 + torch.arange(64)
+        rows = cu[b] + offs_m[q_mask(offs_m, q_len)]
+        if len(rows):
+            acc.append(("q", int(rows.min()), int(rows.max()) + 1, t))
+
+    for pid in range(progs):
+        for wg in range(2):  # _consumer
+            if q_ahead:
+                load_q(pid, 0, wg)
+            for wave in range(waves):
+                item, tile, h, b = deal(wave, pid, progs, n_tiles, n_heads, n_seqs)
+                entries("cu_seqlens_q", b, n_seqs + 1)
+                entries("cu_seqlens_q", b + 1, n_seqs + 1)
+                q_len, m0 = cu[b + 1] - cu[b], tile * BLOCK_M
+                if item >= n_items or m0 >= q_len:
+                    if q_ahead:
+                        load_q(pid, wave + 1, wg)
+                    continue
+                entries("seq_lens", b, n_seqs)
+                load_q(pid, wave + 1 if q_ahead else wave, wg)
+                offs_m = m0 + wg * 64 + torch.arange(64)
+                rows = cu[b] + offs_m[offs_m < q_len]
+                if len(rows):  # (the second warpgroup of a last tile may have none)
+                    for name in ("out", "lse"):
+                        acc.append((name, int(rows.min()), int(rows.max()) + 1, t))
+                    written[rows, h] += 1
+        for wave in range(waves):  # _producer
+            item, tile, h, b = deal(wave, pid, progs, n_tiles, n_heads, n_seqs)
+            if item >= n_items:
+                continue
+            entries("cu_seqlens_q", b, n_seqs + 1)
+            entries("cu_seqlens_q", b + 1, n_seqs + 1)
+            q_len, m0 = cu[b + 1] - cu[b], tile * BLOCK_M
+            if m0 >= q_len:
+                continue
+            entries("seq_lens", b, n_seqs)
+            seq_len = lens[b]
+            hi = min(seq_len - q_len + m0 + BLOCK_M, seq_len)
+            entries("block_tables", b * bt.shape[1], bt.numel())
+            entries("block_table_column", 0, bt.shape[1])
+            next_row = int(bt[b, 0]) * page
+            for j in range(-(-hi // block_n)):
+                row, nxt = next_row, (j + 1) * block_n
+                entry = 0
+                if nxt < hi:
+                    entries("block_table_column", nxt // page, bt.shape[1])
+                    entry = int(bt[b, nxt // page])
+                next_row = entry * page + nxt % page
+                acc.append(("kv_pool_rows", row, row + block_n, n_pages * page))
+                entries("kv_head", h // group, hkv)
+    return acc, written
+
+
+def out_of_bounds(accesses):
+    """{tensor: (lowest index, highest end, bound, accesses)} over the accesses that leave
+    their tensor."""
+    bad = {}
+    for name, lo, hi, bound in accesses:
+        if lo < 0 or hi > bound:
+            low, high, _, count = bad.get(name, (lo, hi, bound, 0))
+            bad[name] = (min(low, lo), max(high, hi), bound, count + 1)
+    return bad
+
+
+def paged_table(lens, page, width=None, seed=0):
+    """A block table of each sequence's pages, shuffled in a pool with 2 spare pages
+    (``width`` wider than needed: zeros past each sequence's pages); (table, pages)."""
+    need = [-(-n // page) for n in lens]
+    n_pages = sum(need) + 2
+    ids = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed))
+    bt = torch.zeros(len(lens), width or max(need), dtype=torch.int32)
+    pos = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = ids[pos : pos + n].int()
+        pos += n
+    return bt, n_pages
+
+
+WALK_CASES = {  # (chunks, cached tokens before each, Hq, Hkv, head dim, page, programs)
+    # tests/test_kernels_gpu.py::test_prefill_sm90_paths_cuda_graph_replay's eager call on
+    # an H200 (132 SMs): an illegal memory access there (2026-11-26)
+    "graph-replay-eager": ([1024, 1024], [0, 0], 32, 8, 128, 128, 132),
+    "gluon-bf16-d128-page64": ([1, 17, 2000, 700, 129], [0, 100, 0, 3000, 64], 32, 8, 128, 64, 132),
+    "gluon-bf16-d256": ([1, 17, 2000, 700, 129], [0, 100, 0, 3000, 64], 16, 4, 256, 64, 132),
+    "one-sequence-4k": ([4096], [0], 32, 8, 128, 128, 132),  # kernels.bench prefill at 4K
+    "one-program": ([300, 1, 513], [77, 1000, 0], 8, 2, 128, 128, 1),
+    "waves-past-the-work": ([129, 64], [0, 0], 4, 2, 64, 64, 5),
+}
+
+
+@pytest.mark.parametrize("case", WALK_CASES)
+def test_every_access_of_the_kernel_is_in_bounds(case):
+    """Every address the kernel computes lies in its tensor (multi-sequence batches, ragged
+    chunks, cached context, GQA, the default tiles of each head dim, a wider block table as in
+    the graph-replay test), and every (token, head) of Out is written exactly once."""
+    from kernels.prefill_gluon import gluon_config
+
+    qlens, ctx, hq, hkv, d, page, progs = WALK_CASES[case]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    bt, n_pages = paged_table(lens, page, width=24 if case == "graph-replay-eager" else None)
+    if case == "graph-replay-eager":
+        bt.zero_()  # the test's eager call: every entry page 0
+    cfg = gluon_config(d, torch.bfloat16, page)
+    progs = min(progs, -(-max(qlens) // BLOCK_M) * hq * len(qlens))  # launch_args' grid
+    acc, written = kernel_accesses(qlens, lens, bt, n_pages, page, hq, hkv, d, cfg.block_n, progs)
+    assert not out_of_bounds(acc), out_of_bounds(acc)
+    assert (written == 1).all(), (written != 1).nonzero()[:5]
+
+
+def test_the_walk_catches_the_look_ahead_read_before_q():
+    """The walk is not vacuous: with ``_load_q``'s mask as it was (``offs_m < q_len`` alone),
+    the look-ahead of the items past the work (negative tiles, ``q_len`` 0) reads rows before
+    the first sequence's start; on the graph-replay test's input 384 rows of 32 heads x 128
+    bf16, 3 MiB before Q (the H200's illegal memory access). Every other access stays in."""
+    qlens, ctx, hq, hkv, d, page, progs = WALK_CASES["graph-replay-eager"]
+    bt = torch.zeros(2, 24, dtype=torch.int32)
+    acc, _ = kernel_accesses(qlens, qlens, bt, 52, page, hq, hkv, d, 128, progs,
+                             q_mask=lambda offs_m, q_len: offs_m < q_len)  # fmt: skip
+    bad = out_of_bounds(acc)
+    assert list(bad) == ["q"] and bad["q"][0] == -384, bad
 
 
 def emulate_consumer(q, pool_k, pool_v, bt, seq_len, q_len, ctx_m0, wg, kv_head, scale, block_n,

@@ -7,6 +7,12 @@ References are kernels/reference.py on float32 upcasts of the bf16 inputs, compu
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from tensor_checks import assert_close, capture_graph
@@ -560,6 +566,40 @@ def test_prefill_gluon_fp16_and_one_program():
                                      return_lse=True, config=cfg, path="gluon")  # fmt: skip
         assert_close(out, ref, 4e-3, f"gluon fp16 {cfg}")
         assert_close(lse, ref_lse, LSE_TOL, f"gluon fp16 lse {cfg}")
+
+
+# test_prefill_sm90_paths_cuda_graph_replay's eager call, Q allocated first
+_GLUON_TWO_SEQUENCES = """
+import torch
+from kernels.prefill import prefill_attention
+q = torch.randn(2048, 32, 128, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(52, 128, 8, 128, device="cuda", dtype=torch.bfloat16)
+v = torch.randn_like(k)
+cu = torch.tensor([0, 1024, 2048], dtype=torch.int32, device="cuda")
+sl = torch.full((2,), 1024, dtype=torch.int32, device="cuda")
+bt = torch.zeros(2, 24, dtype=torch.int32, device="cuda")
+prefill_attention(q, k, v, cu, sl, bt, 128**-0.5, max_query_len=1024, path="gluon")
+torch.cuda.synchronize()
+"""
+
+
+def test_prefill_gluon_reads_nothing_before_q():
+    """Two sequences of 1,024 tokens (the graph-replay test's eager call, where an H200 hit an
+    illegal address: the next item's Q, loaded an item ahead, was not masked for the items past
+    the work, whose tiles are negative: up to 384 rows, 3 MiB, before Q). In a process of its
+    own (a fault ends the CUDA context), every tensor its own cudaMalloc and Q the first one,
+    under compute-sanitizer's memcheck where it is installed: no access outside the tensors.
+    Without memcheck only a fault fails it (the bytes before Q may be mapped)."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    memcheck = [sanitizer, "--tool", "memcheck", "--error-exitcode", "1"]
+    cmd = [*(memcheck if os.path.exists(sanitizer) else []), sys.executable, "-c",
+           _GLUON_TWO_SEQUENCES]  # fmt: skip
+    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    run = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, (cmd[0], run.stdout[-4000:], run.stderr[-4000:])
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
