@@ -14,7 +14,11 @@
 from __future__ import annotations
 
 import gc
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +46,7 @@ SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=4096,
 )
+ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -128,14 +133,8 @@ print(json.dumps({"one_shot": one_shot, "tokens": tokens}))
 def _fresh_process_tokens(checkpoint, prompts, setting: str) -> dict:
     """One TP engine in a process of its own (torch allows one symmetric-memory rendezvous
     sequence per process: ``parallel.one_shot_refusal``), bf16 with CUDA graphs."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", ONE_ENGINE, checkpoint, setting,
-                        json.dumps(prompts)], cwd=root, capture_output=True, text=True,
+                        json.dumps(prompts)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import multiprocessing
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from flashserve.bench.hardware import timed
 from flashserve.engine.parallel import TIMEOUT, TPGroup, rank_device
 from flashserve.models.config import ModelConfig
 from flashserve.models.sharding import RankShape
@@ -128,7 +128,7 @@ def _time_batch(group: TPGroup, shape: StepCollectives, batch: int, rounds: int,
     per_round = []
     for _ in range(rounds):
         dist.barrier()
-        per_round.append(_timed(run, steps, dev) / steps)
+        per_round.append(timed(lambda: [run() for _ in range(steps)], dev) / steps)
     if graph is not None:
         graph.reset()  # before the group goes: NCCL's teardown waits for its graphs
     return statistics.median(per_round)
@@ -147,18 +147,3 @@ def _graph(step, dev: torch.device) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         step()
     return graph
-
-
-def _timed(run, steps: int, dev: torch.device) -> float:
-    if dev.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            run()
-        return time.perf_counter() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3

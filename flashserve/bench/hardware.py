@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import resource
 import statistics
 import time
@@ -29,22 +30,24 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 
     dst = torch.empty_like(src)
     for _ in range(reps):  # clocks up, pages touched
         dst.copy_(src)
-    times = [_timed(dst.copy_, src, device) for _ in range(reps)]
+    copy = functools.partial(dst.copy_, src)
+    times = [timed(copy, device) for _ in range(reps)]
+    del copy
     del src, dst
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return 2 * nbytes / statistics.median(times)
 
 
-def _timed(fn, arg, device: torch.device) -> float:
-    """Seconds ``fn(arg)`` takes on ``device`` (CUDA events on a GPU)."""
+def timed(fn, device: torch.device) -> float:
+    """Seconds ``fn()`` takes on ``device`` (CUDA events on a GPU)."""
     if device.type != "cuda":
         t0 = time.perf_counter()
-        fn(arg)
+        fn()
         return time.perf_counter() - t0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn(arg)
+    fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
