@@ -1,5 +1,5 @@
 # The GPU tests that have not run since the last kernel changes, on one GPU or two (the second
-# takes half of them), one call: two calls when the default model travels in halves
+# takes half of them; prefix caching's on the first), one call: two calls when the default model travels in halves
 # (wheels.sh): carry [".whl", ".carry/gguf.1"] with ONLY_MODEL=1 first (it only unpacks), then
 # [".whl", ".carry/gguf.2"].
 #   run: bash docs/benchmarks/device/checks.sh
@@ -14,6 +14,7 @@ second=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
 ) > "$OUT/second.txt" 2>&1 &
 ( export CUDA_VISIBLE_DEVICES=0
   step engine 300 python3 -m pytest -q -m gpu tests/test_engine_gpu.py
+  step prefix 150 python3 -m pytest -q -m gpu tests/test_prefix_cache.py
   step fp8_accuracy 200 python3 -m pytest -q -m gpu tests/test_fp8_engine.py
 ) > "$OUT/first.txt" 2>&1 &
 wait
