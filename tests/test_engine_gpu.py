@@ -170,10 +170,15 @@ def test_fp8_tokens_are_bf16_argmax_within_slack(prompts, enforce_eager):
     from flashserve.loaders.load import default_model_path
     from flashserve.tokenizer.tokenizer import Tokenizer
 
-    generated = _generate(prompts, enforce_eager=enforce_eager, quantization="fp8")
-    assert "Paris" in Tokenizer.from_gguf(default_model_path()).decode(generated[0])
+    # The answer's first token is a near-tie ("The" 25.75 vs "L" 25.5 in bf16, H200): e4m3
+    # weights may flip it (25.0 vs 25.25), and "L'..." never reaches Paris; so the knowledge
+    # check starts past the tie, from "The capital of France is".
+    tok = Tokenizer.from_gguf(default_model_path())
+    lead = prompts[0] + tok.encode("The capital of France is", add_special_tokens=False)
+    generated = _generate([*prompts, lead], enforce_eager=enforce_eager, quantization="fp8")
+    assert tok.decode(generated[-1]).lstrip().startswith("Paris"), tok.decode(generated[-1])
     llm = LLM(_config(attention_backend="triton", enforce_eager=True))
-    for prompt, tokens in zip(prompts, generated):
+    for prompt, tokens in zip([*prompts, lead], generated):
         logits = _teacher_forced_logits(llm, prompt + tokens)[len(prompt) - 1 : -1]
         chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
         gap = logits.max(dim=1).values - chosen
