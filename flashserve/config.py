@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_quant import FP8_KV_DTYPE
-from kernels.prefill_paths import HOPPER_MIN_PAGE
+from kernels.prefill_paths import GLUON_MIN_PAGE, HOPPER_MIN_PAGE, gluon_triton_refusal
 from kernels.prefill_paths import PATHS as PREFILL_PATHS
 
 _DTYPES = {
@@ -60,8 +60,9 @@ class EngineConfig:
     pdl_chain: bool | None = None
     # the prefill kernel's path (kernels.prefill_paths.PATHS): portable (FlashAttention-2, every
     # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens,
-    # bf16/fp16 caches) or auto (hopper where it can run). Portable by default until the
-    # Hopper path has been timed on the GPU (docs/benchmarks/kernels.md)
+    # bf16/fp16 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, blocks of
+    # >= 16 tokens, Triton 3.6, no windows or soft-caps) or auto (hopper where it can run).
+    # Portable by default until the others are timed end to end (docs/benchmarks/kernels.md)
     prefill_path: str = "portable"
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt
@@ -101,19 +102,7 @@ class EngineConfig:
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":
             raise ValueError("pdl_chain needs the triton attention backend")
-        if self.prefill_path not in PREFILL_PATHS:
-            raise ValueError(f"prefill_path must be one of {PREFILL_PATHS}, "
-                             f"got {self.prefill_path!r}")  # fmt: skip
-        if self.prefill_path == "hopper":  # what auto would quietly route to the portable path
-            if self.attention_backend != "triton" or not self.device.startswith("cuda"):
-                raise ValueError("prefill_path hopper needs the triton backend on a CUDA GPU")
-            if torch.cuda.get_device_capability(self.device)[0] != 9:
-                raise ValueError("prefill_path hopper needs an sm_90 GPU (H100/H200)")
-            if self.block_size < HOPPER_MIN_PAGE:  # a KV tile is one page's run
-                raise ValueError(f"prefill_path hopper needs block_size >= {HOPPER_MIN_PAGE}, "
-                                 f"got {self.block_size}")  # fmt: skip
-            if self.kv_cache_dtype == "fp8":
-                raise ValueError("prefill_path hopper takes bf16/fp16 KV caches, not fp8")
+        self._check_prefill_path()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -145,6 +134,34 @@ class EngineConfig:
         why = missing_gpus(self.device, self.tensor_parallel_size, torch.cuda.device_count())
         if why:
             raise ValueError(why)
+
+    def _check_prefill_path(self) -> None:
+        """An explicit hopper or gluon path is refused at start-up where its kernel cannot run
+        (what auto would quietly route to the portable path); the model's head dim, windows
+        and soft-caps are checked at load (``flashserve.loaders.load``)."""
+        path = self.prefill_path
+        if path not in PREFILL_PATHS:
+            raise ValueError(f"prefill_path must be one of {PREFILL_PATHS}, got {path!r}")
+        if path not in ("hopper", "gluon"):
+            return
+        if self.attention_backend != "triton" or not self.device.startswith("cuda"):
+            raise ValueError(f"prefill_path {path} needs the triton backend on a CUDA GPU")
+        if torch.cuda.get_device_capability(self.device)[0] != 9:
+            raise ValueError(f"prefill_path {path} needs an sm_90 GPU (H100/H200)")
+        min_page = HOPPER_MIN_PAGE if path == "hopper" else GLUON_MIN_PAGE  # a tile in one page
+        if self.block_size < min_page:
+            raise ValueError(f"prefill_path {path} needs block_size >= {min_page}, "
+                             f"got {self.block_size}")  # fmt: skip
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError(f"prefill_path {path} takes bf16/fp16 KV caches, not fp8")
+        if path == "gluon":
+            if self.torch_dtype == torch.float32:
+                raise ValueError("prefill_path gluon takes bf16/fp16 models, not float32")
+            import triton
+
+            why = gluon_triton_refusal(triton.__version__)
+            if why:
+                raise ValueError(f"prefill_path gluon: {why}")
 
     def _resolve_kv_cache_dtype(self) -> None:
         """``kv_cache_dtype``: auto becomes the model's dtype; aliases (bf16, fp16, ...) their

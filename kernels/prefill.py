@@ -70,7 +70,7 @@ from kernels.common import (
     softcap_log2,
 )
 from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
-from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, OPT_IN_PATHS, PATHS
+from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, PATHS
 
 if TYPE_CHECKING:
     from kernels.prefill_gluon import GluonConfig
@@ -589,8 +589,8 @@ def prefill_attention(
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous head dim")
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if return_lse else None
-    if path not in PATHS + OPT_IN_PATHS:
-        raise ValueError(f"path must be one of {PATHS + OPT_IN_PATHS}, got {path!r}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path == "gluon":  # refused before the empty-batch return: the answer must not depend on T
         gluon, gluon_cfg = _gluon_config(q, k_cache, v_cache, fp8, window, softcap, config)
     if t == 0 or bsz == 0:

@@ -44,6 +44,7 @@ import torch
 import triton
 
 from kernels.common import num_sms
+from kernels.prefill_paths import gluon_triton_refusal
 
 try:  # Gluon as in Triton 3.6 (the GPU machine's version)
     from triton.experimental import gluon
@@ -62,7 +63,6 @@ except ImportError:  # pragma: no cover
     HAVE_GLUON = False
 
 _LOG2E = 1.4426950408889634
-GLUON_TRITON = "3.6."  # the Gluon API this kernel is written in (docs/benchmarks/kernels.md)
 BLOCK_M = 128  # queries per work item: two consumer warpgroups of 64 (wgmma's M per warpgroup)
 WG_M = 64
 GLUON_HEAD_DIMS = (64, 128, 256)
@@ -141,10 +141,7 @@ def gluon_refusal(q: torch.Tensor, k_cache: torch.Tensor, window: int, softcap: 
         return f"page {page} < block_n {cfg.block_n}: a KV tile must lie in one page"
     if cfg.smem_bytes(d) > SMEM - SMEM_SPARE:
         return f"{cfg} needs {cfg.smem_bytes(d):,} bytes of shared memory at head dim {d}"
-    if not triton.__version__.startswith(GLUON_TRITON):
-        return (f"the Gluon kernel is written for Triton {GLUON_TRITON}'s Gluon API (experimental:"
-                f" it changed by 3.9); this Triton is {triton.__version__}")  # fmt: skip
-    return None
+    return gluon_triton_refusal(triton.__version__)
 
 
 def gluon_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> list:

@@ -1,8 +1,17 @@
 """The prefill kernel's paths and what the Hopper path needs, apart from ``kernels.prefill`` so
 that the engine's config and command line read them without importing Triton."""
 
-PATHS = ("auto", "portable", "hopper")  # the engine's choices (EngineConfig.prefill_path)
-# kernel-level only until its GPU tests pass: no engine start-up checks cover it yet
-OPT_IN_PATHS = ("gluon",)
+# the engine's choices (EngineConfig.prefill_path); auto never takes gluon (opt-in)
+PATHS = ("auto", "portable", "hopper", "gluon")
 HOPPER_MIN_PAGE = 64  # "auto" takes the Hopper path from here: KV tiles of >= 64 keys
 HOPPER_HEAD_DIMS = (64, 128, 256)  # a descriptor block is [BLOCK_N, D]: a power of two
+GLUON_MIN_PAGE = 16  # the Gluon kernel's KV tiles: 128 keys (64 at d256) cut to the page
+GLUON_TRITON = "3.6."  # the Gluon API it is written in (experimental: it changed by 3.9)
+
+
+def gluon_triton_refusal(version: str) -> str | None:
+    """Why the Gluon kernel cannot run under Triton ``version`` (None: it can)."""
+    if version.startswith(GLUON_TRITON):
+        return None
+    return (f"the Gluon kernel is written for Triton {GLUON_TRITON}x's Gluon API (experimental: "
+            f"it changed by 3.9); this Triton is {version}")  # fmt: skip

@@ -523,7 +523,8 @@ def test_prefill_hopper_refuses_fp8_and_auto_stays_portable():
 
 
 def test_prefill_gluon_refuses_what_it_cannot_run():
-    from kernels.prefill_gluon import GLUON_TRITON, GluonConfig, gluon_config, gluon_refusal
+    from kernels.prefill_gluon import GluonConfig, gluon_config, gluon_refusal
+    from kernels.prefill_paths import GLUON_TRITON
 
     k = torch.zeros(4, 128, 2, 128, dtype=torch.bfloat16)
     q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)

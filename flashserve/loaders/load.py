@@ -88,11 +88,20 @@ def load_model(
         else:
             raise FileNotFoundError(f"model {spec!r} is not a Hugging Face directory, an "
                                     "existing .gguf file, or dummy:<preset>")  # fmt: skip
-    if prefill_path == "hopper" and loaded.config.head_dim not in HOPPER_HEAD_DIMS:
-        raise ValueError(f"prefill_path hopper takes head dims {HOPPER_HEAD_DIMS}; this model's "
-                         f"is {loaded.config.head_dim} (use portable or auto)")  # fmt: skip
+    _check_prefill_path(prefill_path, loaded.config)
     log.info("weights: %s", describe_weights(loaded.model))
     return loaded
+
+
+def _check_prefill_path(path: str, config: ModelConfig) -> None:
+    """Refuse a hopper or gluon prefill path that cannot run this model (the device-side
+    checks are ``EngineConfig``'s)."""
+    if path in ("hopper", "gluon") and config.head_dim not in HOPPER_HEAD_DIMS:
+        raise ValueError(f"prefill_path {path} takes head dims {HOPPER_HEAD_DIMS}; this model's "
+                         f"is {config.head_dim} (use portable or auto)")  # fmt: skip
+    if path == "gluon" and (any(config.layer_windows) or config.attn_logit_softcap):
+        raise ValueError("prefill_path gluon takes no sliding windows or attention soft-capping,"
+                         " which this model has (use hopper, portable or auto)")  # fmt: skip
 
 
 def read_model_config(spec: str | None) -> ModelConfig:
