@@ -1,0 +1,19 @@
+# Decode tokens/s as a streaming HTTP client sees it: a server on $MODEL (dummy:llama3.1-8b;
+# its own options: this script's arguments), then three requests of $DEPTH (31,000) prompt
+# tokens and 256 out, one at a time (`bench serve --depth`; the client times the tokens it receives). Used by the
+# other scripts as a step: `step NAME CAP bash docs/benchmarks/device/http_decode.sh [ARGS]`.
+PORT=${PORT:-8011} MODEL=${MODEL:-dummy:llama3.1-8b} DEPTH=${DEPTH:-31000}
+python3 -m server serve --model "$MODEL" --max-model-len $((DEPTH + 9000)) --port "$PORT" "$@" \
+  > "$OUT/server-$PORT-$$.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 240); do
+  curl -sf "localhost:$PORT/health" > /dev/null && break
+  kill -0 $pid 2> /dev/null || { echo "the server exited"; tail -5 "$OUT/server-$PORT-$$.log"; exit 1; }
+  sleep 1
+done
+python3 -m flashserve bench serve --url "http://127.0.0.1:$PORT" --depth "$DEPTH" --output-len 256 \
+  --num-requests 3 --no-progress
+rc=$?
+kill -INT $pid; wait $pid
+grep -c Traceback "$OUT/server-$PORT-$$.log" | sed 's/^/tracebacks in the server log: /'
+exit $rc
