@@ -47,6 +47,9 @@ class EngineConfig:
     # every ~7 s instead of stalling for 20 (docs/benchmarks/cpu-prefill.md)
     max_num_batched_tokens: int = 2048
     max_kv_tokens: int | None = None  # KV pool size in tokens; None: from free memory
+    # KV pool size in bytes (each rank's, scales included: an fp8 pool holds about twice the
+    # tokens of a bf16 one in the same bytes); None: from free memory (CPU: up to 2 GiB)
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.90
     block_size: int = 16  # tokens per KV block
     attention_backend: str = "auto"  # auto | torch | triton
@@ -113,6 +116,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < self.block_size:
             raise ValueError(f"max_kv_tokens must be >= block_size ({self.block_size})")
+        if self.kv_cache_memory_bytes is not None:
+            if self.max_kv_tokens is not None:
+                raise ValueError("give max_kv_tokens or kv_cache_memory_bytes, not both")
+            if self.kv_cache_memory_bytes < 1:
+                raise ValueError(f"kv_cache_memory_bytes must be >= 1, "
+                                 f"got {self.kv_cache_memory_bytes}")  # fmt: skip
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

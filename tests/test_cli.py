@@ -70,6 +70,13 @@ def test_generate_chat_on_the_default_model():
         (["generate", "hi", "--device", "cpu", "--pdl-chain", *TINY], 2, "pdl_chain needs"),
         (["generate", "hi", "--prefill-path", "fast", *TINY], 2, "invalid choice"),
         (
+            ["generate", "hi", "--max-kv-tokens", "64", "--kv-cache-memory-bytes", "9999", *TINY],
+            2,
+            "max_kv_tokens or kv_cache_memory_bytes, not both",
+        ),
+        (["generate", "hi", "--kv-cache-memory-bytes", "0", *TINY], 2, "must be >= 1, got 0"),
+        (["generate", "hi", "--kv-cache-memory-bytes", "100", *TINY], 1, "holds no KV block"),
+        (
             ["generate", "hi", "--device", "cpu", "--prefill-path", "hopper", *TINY],
             2,
             "prefill_path hopper needs the triton backend on a CUDA GPU",

@@ -15,7 +15,6 @@ from server_utils import server_thread
 
 from flashserve.bench import accuracy
 from flashserve.config import EngineConfig
-from flashserve.engine import model_runner
 from flashserve.engine.async_llm import AsyncLLM
 from flashserve.engine.llm_engine import LLM
 from flashserve.sampling.params import SamplingParams
@@ -93,13 +92,13 @@ def test_fp8_pools_and_their_bytes():
     assert pools == runner.kv_cache_bytes
 
 
-def test_fp8_pool_holds_about_twice_the_tokens_of_bf16(monkeypatch):
-    """The same memory budget (the CPU's, made small) holds 2D / (D + 2) times the tokens of a
-    bf16 cache: 1.94x at head dim 64."""
-    monkeypatch.setattr(model_runner, "CPU_KV_BYTES", 8 << 20)
+def test_fp8_pool_holds_about_twice_the_tokens_of_bf16():
+    """The same memory budget (``kv_cache_memory_bytes``) holds 2D / (D + 2) times the tokens
+    of a bf16 cache: 1.94x at head dim 64."""
     tokens = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(EngineConfig(**TINY, dtype="bfloat16", kv_cache_dtype=kv))
+        llm = LLM(EngineConfig(**TINY, dtype="bfloat16", kv_cache_dtype=kv,
+                               kv_cache_memory_bytes=8 << 20))  # fmt: skip
         runner = llm.engine.runner
         assert runner.kv_cache_bytes <= 8 << 20
         tokens[kv] = runner.num_kv_tokens

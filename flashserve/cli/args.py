@@ -57,6 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in tokens (default: from --gpu-memory-utilization)",
     )
     g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="KV cache size in bytes, each GPU's (instead of --max-kv-tokens; default: from "
+        "--gpu-memory-utilization, on a CPU up to 2 GiB)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         help="share of the GPU's memory the engine may fill: the weights, a step's "

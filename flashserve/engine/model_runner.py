@@ -106,8 +106,7 @@ class ModelRunner:
         # the one scheduler's block tables are then valid on each
         self.num_blocks = self.tp.min_int(self._plan_num_blocks())
         if self.num_blocks < 1:  # every rank raises: none waits for the others
-            raise RuntimeError("no memory left for the KV cache; lower --max-model-len or "
-                               "raise --gpu-memory-utilization")  # fmt: skip
+            raise ValueError(self._no_kv_block())
         self.max_model_len = self._resolve_max_model_len()
         model.ensure_positions(self.max_model_len)
         # per layer (k, v), or for an fp8 cache (k, v, k_scale, v_scale)
@@ -172,17 +171,29 @@ class ModelRunner:
         return [torch.zeros(n, dtype=torch.float64, pin_memory=True) for _ in range(2)]
 
     def _plan_num_blocks(self) -> int:
-        """Blocks in this rank's KV pool: --max-kv-tokens, else what free memory allows (0 or
-        less: none)."""
+        """Blocks in this rank's KV pool: --max-kv-tokens, else --kv-cache-memory-bytes, else
+        what free memory allows (0 or less: none)."""
         if self.config.max_kv_tokens is not None:
             return self.config.max_kv_tokens // self.block_size
-        if self.device.type == "cuda":
+        if self.config.kv_cache_memory_bytes is not None:
+            budget = self.config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
             per_seq = self._peak_blocks(self._model_len_limit()) * self.block_size
             want = self.config.max_num_seqs * per_seq * self.kv_bytes_per_token
             budget = min(CPU_KV_BYTES, want)
         return int(budget // (self.kv_bytes_per_token * self.block_size))
+
+    def _no_kv_block(self) -> str:
+        """What to change when the KV pool would hold no block (a setting: ValueError)."""
+        nbytes = self.kv_bytes_per_token * self.block_size
+        block = f"a block of {self.block_size} tokens takes {nbytes:,} bytes"
+        if self.config.kv_cache_memory_bytes is not None:
+            n = self.config.kv_cache_memory_bytes
+            return f"kv_cache_memory_bytes {n:,} holds no KV block: {block} here"
+        return (f"no memory left for the KV cache ({block}); lower --max-model-len or raise "
+                "--gpu-memory-utilization")  # fmt: skip
 
     def _cuda_kv_budget(self) -> int:
         """Free device memory within --gpu-memory-utilization, less activations of a step."""
