@@ -63,8 +63,8 @@ class EngineConfig:
     pdl_chain: bool | None = None
     # the prefill kernel's path (kernels.prefill_paths.PATHS): portable (FlashAttention-2, every
     # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens,
-    # bf16/fp16 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, blocks of
-    # >= 16 tokens, Triton 3.6, no windows or soft-caps) or auto (hopper where it can run).
+    # bf16/fp16 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, plus
+    # Triton 3.6, bf16/fp16 models, no windows or soft-caps) or auto (hopper where it can run).
     # Portable by default until the others are timed end to end (docs/benchmarks/kernels.md)
     prefill_path: str = "portable"
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
@@ -155,7 +155,8 @@ class EngineConfig:
             return
         if self.attention_backend != "triton" or not self.device.startswith("cuda"):
             raise ValueError(f"prefill_path {path} needs the triton backend on a CUDA GPU")
-        if torch.cuda.get_device_capability(self.device)[0] != 9:
+        cap = torch.cuda.get_device_capability(self.device)
+        if cap[0] != 9 or (path == "gluon" and cap != (9, 0)):  # Gluon: written for sm_90 itself
             raise ValueError(f"prefill_path {path} needs an sm_90 GPU (H100/H200)")
         min_page = HOPPER_MIN_PAGE if path == "hopper" else GLUON_MIN_PAGE  # a tile in one page
         if self.block_size < min_page:

@@ -5,7 +5,9 @@ that the engine's config and command line read them without importing Triton."""
 PATHS = ("auto", "portable", "hopper", "gluon")
 HOPPER_MIN_PAGE = 64  # "auto" takes the Hopper path from here: KV tiles of >= 64 keys
 HOPPER_HEAD_DIMS = (64, 128, 256)  # a descriptor block is [BLOCK_N, D]: a power of two
-GLUON_MIN_PAGE = 16  # the Gluon kernel's KV tiles: 128 keys (64 at d256) cut to the page
+# the Gluon kernel's KV tiles are 128 keys (64 at d256) cut to the page; its GPU tests cover
+# pages of 64 and 128, so the engine takes nothing shorter
+GLUON_MIN_PAGE = 64
 GLUON_TRITON = "3.6."  # the Gluon API it is written in (experimental: it changed by 3.9)
 
 

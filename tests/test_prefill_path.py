@@ -53,11 +53,21 @@ def test_the_page_each_path_needs(sm):
     sm((9, 0))
     with pytest.raises(ValueError, match="block_size >= 64, got 32"):
         _config(prefill_path="hopper", block_size=32)
-    with pytest.raises(ValueError, match="block_size >= 16, got 8"):
-        _config(prefill_path="gluon", block_size=8)
-    if gluon_triton_refusal(triton.__version__) is None:
-        assert _config(prefill_path="gluon", block_size=16).prefill_path == "gluon"
+    with pytest.raises(ValueError, match="block_size >= 64, got 32"):
+        _config(prefill_path="gluon", block_size=32)
     assert _config(prefill_path="hopper", block_size=64).prefill_path == "hopper"
+
+
+def test_gluon_starts_where_it_can_run(sm, monkeypatch):
+    sm((9, 0))
+    monkeypatch.setattr(triton, "__version__", GLUON_TRITON + "0")
+    for dtype in ("bfloat16", "float16"):
+        config = _config(prefill_path="gluon", block_size=64, dtype=dtype)
+        assert config.prefill_path == "gluon" and config.block_size == 64
+    sm((9, 1))  # an sm_9x that is not sm_90: the Hopper path's checks take it, Gluon's not
+    assert _config(prefill_path="hopper").prefill_path == "hopper"
+    with pytest.raises(ValueError, match="gluon needs an sm_90 GPU"):
+        _config(prefill_path="gluon")
 
 
 def test_gluon_refuses_float32_and_other_tritons(sm, monkeypatch):

@@ -177,8 +177,14 @@ class ModelRunner:
             return self.config.max_kv_tokens // self.block_size
         if self.config.kv_cache_memory_bytes is not None:
             budget = self.config.kv_cache_memory_bytes
+            room = self._cuda_kv_budget(None) if self.device.type == "cuda" else budget
+            if budget > room:  # -1: every rank then refuses (see __init__), none waits
+                logger.error("kv_cache_memory_bytes %d is more than the %d bytes free on %s "
+                             "after the weights and a step's activations", budget, room,
+                             self.device)  # fmt: skip
+                return -1
         elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+            budget = self._cuda_kv_budget(self.config.gpu_memory_utilization)
         else:
             per_seq = self._peak_blocks(self._model_len_limit()) * self.block_size
             want = self.config.max_num_seqs * per_seq * self.kv_bytes_per_token
@@ -186,17 +192,22 @@ class ModelRunner:
         return int(budget // (self.kv_bytes_per_token * self.block_size))
 
     def _no_kv_block(self) -> str:
-        """What to change when the KV pool would hold no block (a setting: ValueError)."""
+        """What to change when the KV pool would hold no block (a setting: ValueError);
+        ``num_blocks`` -1: a rank's explicit pool size is more than it has free."""
         nbytes = self.kv_bytes_per_token * self.block_size
         block = f"a block of {self.block_size} tokens takes {nbytes:,} bytes"
-        if self.config.kv_cache_memory_bytes is not None:
-            n = self.config.kv_cache_memory_bytes
+        n = self.config.kv_cache_memory_bytes
+        if n is not None and self.num_blocks < 0:
+            return (f"kv_cache_memory_bytes {n:,} is more than a GPU has free after the "
+                    "weights and a step's activations (the log says how much)")  # fmt: skip
+        if n is not None:
             return f"kv_cache_memory_bytes {n:,} holds no KV block: {block} here"
         return (f"no memory left for the KV cache ({block}); lower --max-model-len or raise "
                 "--gpu-memory-utilization")  # fmt: skip
 
-    def _cuda_kv_budget(self) -> int:
-        """Free device memory within --gpu-memory-utilization, less activations of a step."""
+    def _cuda_kv_budget(self, utilization: float | None) -> int:
+        """Device memory the KV pool may take: what ``utilization`` of the total leaves (None:
+        all the free memory), less a step's activations."""
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
@@ -206,7 +217,8 @@ class ModelRunner:
         # plus fp32 logits for up to max_num_seqs rows; doubled for the allocator's slack
         act = tokens * (6 * mc.hidden_size + 3 * mc.intermediate_size) * 4
         act += self.config.max_num_seqs * self.model_config.vocab_size * 4 * 3
-        return int(total * self.config.gpu_memory_utilization - used - 2 * act)
+        room = free if utilization is None else total * utilization - used
+        return int(room - 2 * act)
 
     def _model_len_limit(self) -> int:
         return self.config.max_model_len or self.model_config.max_position_embeddings
