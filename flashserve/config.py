@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_quant import FP8_KV_DTYPE
-from kernels.prefill_paths import GLUON_MIN_PAGE, HOPPER_MIN_PAGE, gluon_triton_refusal
+from kernels.prefill_paths import HOPPER_MIN_PAGE, gluon_triton_refusal
 from kernels.prefill_paths import PATHS as PREFILL_PATHS
 
 _DTYPES = {
@@ -75,7 +75,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # the ranks' all-reduce: nccl, or auto (torch's symmetric-memory one-shot kernel for small
     # bf16/fp32 messages where the ranks share a host and it passes its start-up check, NCCL
-    # for the rest: flashserve.engine.parallel). nccl by default until auto has run on GPUs
+    # for the rest: flashserve.engine.parallel). nccl by default: auto measured only 2-2.5%
+    # faster decode on two H200s (docs/benchmarks/tensor-parallel.md)
     tp_all_reduce: str = "nccl"
     # fp8: the decoder's projections in float8 e4m3 with per-channel scales, quantized as the
     # weights load (an fp8 checkpoint is detected from its config.json without it); None:
@@ -144,6 +145,11 @@ class EngineConfig:
         if why:
             raise ValueError(why)
 
+    @property
+    def kv_pool_size_given(self) -> bool:
+        """The KV pool's size is set (in tokens or bytes), not taken from free memory."""
+        return self.max_kv_tokens is not None or self.kv_cache_memory_bytes is not None
+
     def _check_prefill_path(self) -> None:
         """An explicit hopper or gluon path is refused at start-up where its kernel cannot run
         (what auto would quietly route to the portable path); the model's head dim, windows
@@ -158,9 +164,8 @@ class EngineConfig:
         cap = torch.cuda.get_device_capability(self.device)
         if cap[0] != 9 or (path == "gluon" and cap != (9, 0)):  # Gluon: written for sm_90 itself
             raise ValueError(f"prefill_path {path} needs an sm_90 GPU (H100/H200)")
-        min_page = HOPPER_MIN_PAGE if path == "hopper" else GLUON_MIN_PAGE  # a tile in one page
-        if self.block_size < min_page:
-            raise ValueError(f"prefill_path {path} needs block_size >= {min_page}, "
+        if self.block_size < HOPPER_MIN_PAGE:  # a KV tile is one page's run
+            raise ValueError(f"prefill_path {path} needs block_size >= {HOPPER_MIN_PAGE}, "
                              f"got {self.block_size}")  # fmt: skip
         if self.kv_cache_dtype == "fp8":
             raise ValueError(f"prefill_path {path} takes bf16/fp16 KV caches, not fp8")

@@ -3,11 +3,11 @@ that the engine's config and command line read them without importing Triton."""
 
 # the engine's choices (EngineConfig.prefill_path); auto never takes gluon (opt-in)
 PATHS = ("auto", "portable", "hopper", "gluon")
-HOPPER_MIN_PAGE = 64  # "auto" takes the Hopper path from here: KV tiles of >= 64 keys
+# "auto" takes the Hopper path from here: KV tiles of >= 64 keys. The Gluon kernel's tiles
+# (128 keys, 64 at d256, cut to the page) would run on shorter pages, but its GPU tests cover
+# pages of 64 and 128 only, so the engine holds both sm_90 paths to this.
+HOPPER_MIN_PAGE = 64
 HOPPER_HEAD_DIMS = (64, 128, 256)  # a descriptor block is [BLOCK_N, D]: a power of two
-# the Gluon kernel's KV tiles are 128 keys (64 at d256) cut to the page; its GPU tests cover
-# pages of 64 and 128, so the engine takes nothing shorter
-GLUON_MIN_PAGE = 64
 GLUON_TRITON = "3.6."  # the Gluon API it is written in (experimental: it changed by 3.9)
 
 

@@ -166,7 +166,7 @@ def _engine_config(args: argparse.Namespace):
             for c, b in grid}  # fmt: skip
     if args.max_model_len is None:  # long enough for every point (the KV pool may cap it)
         config.max_model_len = max(need.values())
-    if config.max_kv_tokens is None and config.kv_cache_memory_bytes is None and not config.is_cuda:
+    if not config.kv_pool_size_given and not config.is_cuda:  # on CUDA: from free memory
         bs = config.block_size
         config.max_kv_tokens = max(b * -(-n // bs) * bs for (_, b), n in need.items())
     return config

@@ -82,7 +82,7 @@ def _engine_config(args: argparse.Namespace):
     need = max(args.tokens) + 1
     if args.max_model_len is None:
         config.max_model_len = need
-    if config.max_kv_tokens is None and config.kv_cache_memory_bytes is None:
+    if not config.kv_pool_size_given:
         config.max_kv_tokens = -(-need // config.block_size) * config.block_size
     return config
 
