@@ -24,6 +24,23 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # torch: M_SQRT2 * M_2_SQRTP
 
 
 @triton.jit
+def gate_act(g, GELU_TANH: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``gelu_tanh(g)`` (GELU_TANH) or ``silu(g)`` of float32 ``g``, in float32, torch's forms;
+    LIBDEVICE: libdevice's tanh (CUDA), else one made of exp (the interpreter). Also the
+    epilogue of ``kernels.gemv``'s gated GEMV."""
+    if GELU_TANH:
+        u = _SQRT_2_OVER_PI * (g + 0.044715 * (g * g * g))
+        if LIBDEVICE:
+            th = libdevice.tanh(u)
+        else:  # (1 - e) / (1 + e), e = exp(-2|u|): tanh's quantum near -1, as tanhf's
+            e = tl.exp(-2.0 * tl.abs(u))
+            th = (1.0 - e) / (1.0 + e)
+            th = tl.where(u < 0, -th, th)
+        return 0.5 * g * (1.0 + th)
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _act_and_mul_kernel(
     X,  # [T, 2I]
     Out,  # [T, I]
@@ -41,18 +58,7 @@ def _act_and_mul_kernel(
     mask = offs < inter
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + inter + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    if GELU_TANH:
-        u = _SQRT_2_OVER_PI * (g + 0.044715 * (g * g * g))
-        if LIBDEVICE:
-            th = libdevice.tanh(u)
-        else:  # (1 - e) / (1 + e), e = exp(-2|u|): tanh's quantum near -1, as tanhf's
-            e = tl.exp(-2.0 * tl.abs(u))
-            th = (1.0 - e) / (1.0 + e)
-            th = tl.where(u < 0, -th, th)
-        act = 0.5 * g * (1.0 + th)
-    else:
-        act = g / (1.0 + tl.exp(-g))
+    act = gate_act(gate.to(tl.float32), GELU_TANH, LIBDEVICE)
     act = act.to(gate.dtype).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (act * up.to(tl.float32)).to(Out.dtype.element_ty),
              mask=mask)  # fmt: skip

@@ -108,6 +108,19 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     return F.gelu(gate, approximate="tanh") * up
 
 
+def linear_act_and_mul(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [2I, K], [gate; up]: x's dtype, or float8 e4m3 with weight_scale
+    bias: torch.Tensor | None = None,  # [2I]
+    weight_scale: torch.Tensor | None = None,  # fp32 [2I] or [cdiv(2I, 128), cdiv(K, 128)]
+    act: str = "silu",  # or "gelu_tanh"
+) -> torch.Tensor:  # [T, I]
+    """A gated MLP's fused gate/up projection and its activation: ``act(gate) * up`` of
+    ``linear(x, weight, bias, weight_scale)``, rounding where the two calls round."""
+    act_and_mul = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[act]
+    return act_and_mul(linear(x, weight, bias, weight_scale))
+
+
 def apply_rope(
     x: torch.Tensor,  # [T, H, D]
     cos: torch.Tensor,  # [T, 1, R/2], R <= D the rotated dims

@@ -83,7 +83,8 @@ def decode_kernel(fp8: bool, dt: str = "bf16", d: int = 128, tiles=None, **flags
     consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, DIRECT=False, STORE_LSE=False, PDL_WAIT=True,
                   CHAIN=True, WINDOWED=False, SOFTCAP=False, FP8=fp8, BLOCK_G=16,
                   BLOCK_N=tiles[0], BLOCK_D=d, MERGE_H=4, MERGE_S=8,
-                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32", PTX=True)  # fmt: skip
+                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32", PTX=True,
+                  SCALES_AHEAD=decode.scales_ahead(fp8, *tiles[:2]))  # fmt: skip
     consts.update(flags)
     return _compile(decode._decode_split_kernel, ptrs, consts, num_warps=tiles[1],
                     num_stages=tiles[2])  # fmt: skip
@@ -174,10 +175,12 @@ def gemv_kernel(
     tile=(8, 2048, 8, 3),
     w_scale: int = 0,
     x_rows: int | None = None,
+    gated: int = 0,
 ):
     """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit, K a multiple of BLOCK_K;
     ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1 or 2), ``tile``: (BLOCK_N,
-    BLOCK_K, num_warps, num_stages)."""
+    BLOCK_K, num_warps, num_stages); ``gated``: the gated MLP's epilogue (1 SiLU, 2 GELU-tanh,
+    libdevice's tanh)."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
     fp8 = w_scale > 0
@@ -187,7 +190,7 @@ def gemv_kernel(
                   NUM_STAGES=tile[3], MERGE_S=1, CHAIN=True, W_SCALE=w_scale,
                   DOT_PRECISION="ieee" if x == "fp32" else "tf32",
                   X_ROWS=x_rows or (triton.next_power_of_2(m) if fp8 else 16 if dot else 1),
-                  F16_DOT=fp8 and x != "fp32")  # fmt: skip
+                  F16_DOT=fp8 and x != "fp32", GATED=gated, LIBDEVICE=True)  # fmt: skip
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3])
 
 
@@ -229,8 +232,9 @@ def _ptx_loop(ptx: str) -> list[str]:
             if line and not line.startswith(("//", "$", "{", "}", "."))]  # fmt: skip
 
 
-def _sass_loop(kernel) -> int:
-    """SASS instructions of the main loop: those within the longest backward branch."""
+def _sass_loop(kernel) -> tuple[int, int]:
+    """SASS instructions of the main loop (those within the longest backward branch), and how
+    many of them are local-memory loads and stores (spills in the loop)."""
     sass = _on_cubin(kernel, "cuobjdump", "-sass")
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     start = end = 0
@@ -238,7 +242,8 @@ def _sass_loop(kernel) -> int:
         m = re.search(r"BRA (0x[0-9a-f]+)", op)
         if m and int(m.group(1), 16) < addr and addr - int(m.group(1), 16) > end - start:
             start, end = int(m.group(1), 16), addr
-    return sum(start <= addr <= end for addr, _ in code)
+    body = [op for addr, op in code if start <= addr <= end]
+    return len(body), sum(bool(re.match(r"(@!?P\d+\s+)?(LDL|STL)\b", op)) for op in body)
 
 
 _PTX_KINDS = {
@@ -258,7 +263,8 @@ def loop_mix(kernel, weight_bytes: int | None = None) -> dict:
     byte as well."""
     ops = _ptx_loop(kernel.asm["ptx"])
     mix = {k: sum(op.startswith(p) for op in ops) for k, p in _PTX_KINDS.items()}
-    mix.update(ptx=len(ops), sass=_sass_loop(kernel))
+    sass, local = _sass_loop(kernel)
+    mix.update(ptx=len(ops), sass=sass, sass_local=local)
     if weight_bytes:
         mix.update(bytes=weight_bytes,
                    per_byte={k: round(v / weight_bytes, 3) for k, v in mix.items()})  # fmt: skip
@@ -397,6 +403,19 @@ GEMV_VARIANTS = {
                                                  w_scale=1),
     "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=2),
 }  # fmt: skip
+# the gated MLP's gate_up with its activation in the epilogue (``linear_small_m(act=...)``;
+# GELU-tanh, the costlier: libdevice's tanh), each at the tile of its ungated twin (the name
+# without ``-gated``): the streaming loop must be the twin's
+_G = functools.partial(gemv_summary, gated=2)
+GEMV_VARIANTS.update({
+    "gemv-gated-bf16-m1": lambda: _G("bf16", tile=(4, 2048, 4, 3)),
+    "gemv-gated-bf16-m8": lambda: _G("bf16", m=8, tile=(64, 256, 4, 3)),
+    "gemv-gated-fp8-channel-m1": lambda: _G("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
+    "gemv-gated-fp8-channel-m1-mma2": lambda: _G("fp8e4nv", tile=(128, 128, 2, 4), w_scale=1),
+    "gemv-gated-fp8-block-m1": lambda: _G("fp8e4nv", tile=(64, 256, 4, 4), w_scale=2),
+    "gemv-gated-fp8-block-m1-mma2": lambda: _G("fp8e4nv", tile=(128, 128, 2, 4), w_scale=2),
+    "gemv-gated-fp8-block-m8": lambda: _G("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=2),
+})  # fmt: skip
 
 
 def fp8_configs() -> dict:

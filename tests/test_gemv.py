@@ -1,4 +1,6 @@
-"""kernels.gemv.linear_small_m against a float64 torch reference (x @ w.T + bias).
+"""kernels.gemv.linear_small_m against a float64 torch reference (x @ w.T + bias), and with
+``act`` (a gated MLP's gate/up projection and activation in one kernel) against
+``act(x @ gate.T) * (x @ up.T)`` in float64, for bf16/fp16/fp32 and float8 weights.
 
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set here before
 anything imports Triton) on CPU tensors, at toy sizes, in fp16 and fp32 only: the interpreter
@@ -19,10 +21,12 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
+import torch.nn.functional as F  # noqa: E402
 from tensor_checks import assert_close, capture_graph  # noqa: E402
 
-from kernels import gemv  # noqa: E402
-from kernels.gemv import MAX_M, gemv_config, linear_small_m  # noqa: E402
+from kernels import gemv, quant  # noqa: E402
+from kernels import reference as torch_ops  # noqa: E402
+from kernels.gemv import MAX_M, gemv_config, linear_act_and_mul, linear_small_m  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -191,3 +195,171 @@ def test_cuda_graph_replay(config, m):
         ref = reference(x, w, b)
         assert_close(out, ref, TOL[dtype], f"graph replay {config}")
         assert torch.equal(out, out2)  # the same sum order whichever program finishes last
+
+
+# ---------------------------------------------------------------- gated: act(gate) * up
+
+ACTS = ["silu", "gelu_tanh"]
+QUANTIZE = {"channel": quant.quantize_per_channel, "block": quant.quantize_blocks}
+
+
+def gated_reference(x, w, act, bias=None) -> torch.Tensor:
+    """``act(x @ gate.T) * (x @ up.T)`` in float64, w = [gate; up] [2I, K] (float64 too)."""
+    gate, up = reference(x, w, bias).chunk(2, dim=-1)
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
+def run_gated(m, inter, k, dtype, act, bias=False, config=None, scales=None, out_pad=0):
+    """linear_small_m(act=...) on random inputs: a float weight of ``dtype``, or (``scales``)
+    an e4m3 one; returns (out, float64 reference)."""
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    w = torch.randn(2 * inter, k, device=DEVICE) / k**0.5 * 2  # gate sums of ~N(0, 4)
+    scale = None
+    if scales:
+        w, scale = QUANTIZE[scales](w)
+        w_ref = quant.dequantize(w, scale, torch.float64)
+    else:
+        w = w_ref = w.to(dtype)
+    b = torch.randn(2 * inter, device=DEVICE).to(dtype) if bias else None
+    out = torch.full((m, inter + out_pad), float("nan"), device=DEVICE, dtype=dtype)[:, :inter]
+    got = linear_small_m(x, w, b, out=out, weight_scale=scale, config=config, act=act)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (m, inter)
+    return got, gated_reference(x, w_ref, act, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("inter,k", [(37, 300), (64, 1024), (5, 48)])
+def test_gated_matches_reference(dtype, act, inter, k):
+    """M = 1..8, the heuristic's tiles (M = 1: the FMA loop; M > 1: tl.dot), odd I and K."""
+    for m in range(1, 9):
+        out, ref = run_gated(m, inter, k, dtype, act, bias=m % 2 == 0, out_pad=3)
+        assert_close(out, ref, TOL[dtype], f"{act} M={m} I={inter} K={k}")
+
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): M = 1's FMA tiles (2 and 4 gate rows a
+# program), tl.dot tiles, K tails, split K (the activation after the last program's sum)
+GATED_CONFIGS = [(4, 64, 1, 4, 2), (8, 128, 3, 4, 2), (16, 64, 3, 4, 2), (32, 32, 64, 4, 3),
+                 (64, 128, 2, 4, 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", GATED_CONFIGS)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gated_configs_and_split_k(config, act, m):
+    if m > 1 and config[0] < 16:
+        pytest.skip("tl.dot tiles have BLOCK_N >= 16")
+    inter, k = 45, 333  # tiles past I; K: 6 tiles of 64, 11 of 32, 3 of 128, none even
+    torch.manual_seed(77 + m)
+    out, ref = run_gated(m, inter, k, torch.float32, act, bias=True, config=config)
+    assert_close(out, ref, TOL[torch.float32], f"{act} M={m} {config}")
+    torch.manual_seed(77 + m)
+    unsplit, _ = run_gated(m, inter, k, torch.float32, act, bias=True,
+                           config=config[:2] + (1,) + config[3:])  # fmt: skip
+    assert_close(out, unsplit.double(), 2 * TOL[torch.float32], "split vs unsplit")
+    counters = gemv._COUNTERS.get(out.device)  # made by the first split launch
+    assert counters is None or int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("scales", ["channel", "block"])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("inter,k", [(37, 300), (192, 260)])
+def test_gated_fp8(scales, act, inter, k):
+    """e4m3 weights, M = 1..8, fp16 x, the heuristic's tiles: I = 37 puts gate and up rows in
+    one 128-row scale block, I = 192 up rows half a block in (each row reads its own block)."""
+    for m in range(1, 9):
+        out, ref = run_gated(m, inter, k, torch.float16, act, scales=scales)
+        assert_close(out, ref, TOL[torch.float16], f"{scales} {act} M={m} I={inter}")
+
+
+@pytest.mark.parametrize("config", [(16, 64, 3, 4, 2), (32, 256, 2, 4, 2), (64, 128, 1, 4, 2)])
+@pytest.mark.parametrize("scales", ["channel", "block"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_gated_fp8_configs_and_split_k(config, scales, m):
+    """fp8 tiles unsplit and split (per-channel scales and the activation after the sum)."""
+    out, ref = run_gated(m, 100, 700, torch.float16, "gelu_tanh", bias=True, config=config,
+                         scales=scales)  # fmt: skip
+    assert_close(out, ref, TOL[torch.float16], f"{scales} {config} M={m}")
+
+
+def test_gated_errors():
+    x, w = torch.randn(2, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE)
+    bad = {
+        "odd rows": dict(weight=w[:7], act="silu"),
+        "unknown act": dict(weight=w, act="relu"),
+        "out of 2I columns": dict(weight=w, act="silu", out=torch.empty(2, 8, device=DEVICE)),
+        "BLOCK_N 1": dict(weight=w, act="silu", config=(1, 32, 1, 4, 2), x=x[:1]),
+    }
+    for what, kw in bad.items():
+        with pytest.raises(ValueError):
+            linear_small_m(kw.pop("x", x), **kw)
+            pytest.fail(f"no ValueError for {what}")
+    with pytest.raises(ValueError, match="act"):
+        linear_act_and_mul(x, w, act="relu")
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_act_and_mul_chooses_one_path(monkeypatch, act):
+    """The Triton backend's op: where ``linear`` streams the weight (``_streams``: CUDA, M <=
+    16) the fused kernel alone, else ``linear`` then the activation kernel; both near the
+    float64 reference, the second equal to those two calls."""
+    x = torch.randn(3, 96, device=DEVICE, dtype=torch.float16)
+    w = (torch.randn(80, 96, device=DEVICE) / 5).half()
+    ref = gated_reference(x, w.double(), act)
+    launches = []
+
+    def recorded(name, kernel):  # the activation kernel, noting its launches
+        return lambda t, chain=True: launches.append(name) or kernel(t, chain=chain)
+
+    act_kernels = {name: recorded(name, fn) for name, fn in gemv._ACT_AND_MUL.items()}
+    monkeypatch.setattr(gemv, "_ACT_AND_MUL", act_kernels)
+    monkeypatch.setattr(gemv, "_streams", lambda x, weight: False)
+    two_step = linear_act_and_mul(x, w, act=act)
+    assert launches == [act]
+    want = gemv._ACT_AND_MUL[act](gemv.linear(x, w))
+    assert torch.equal(two_step, want)
+    assert_close(two_step, ref, TOL[torch.float16], f"{act} two steps")
+    monkeypatch.setattr(gemv, "_streams", lambda x, weight: True)
+    fused = linear_act_and_mul(x, w, act=act)
+    assert launches == [act, act]  # the check above; none here
+    assert_close(fused, ref, TOL[torch.float16], f"{act} fused")
+    assert_close(fused, torch_ops.linear_act_and_mul(x, w, None, None, act).double(),
+                 TOL[torch.float16], "against the torch backend's op")  # fmt: skip
+
+
+# Gemma 3 12B and Llama 3 8B gate_up ([2I, K]), bf16, the heuristic's tiles on the GPU
+GATED_SHAPES = {"gemma3-12b": (15360, 3840), "llama3-8b": (14336, 4096)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GATED_SHAPES))
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("scales", [None, "channel", "block"])
+def test_gated_model_shapes_bf16(shape, act, m, scales):
+    inter, k = GATED_SHAPES[shape]
+    out, ref = run_gated(m, inter, k, torch.bfloat16, act, scales=scales)
+    assert_close(out, ref, TOL[torch.bfloat16], f"{shape} {act} {scales} M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (16, 512, 4, 4, 3), (64, 256, 3, 4, 3)])
+@pytest.mark.parametrize("m", [1, 8])
+def test_gated_cuda_graph_replay(config, m):
+    """Captured fused calls replay with new x, split ones too (counters left zero), and
+    match the unfused two steps within bf16 rounding."""
+    if m > 1 and config and config[0] < 16:
+        pytest.skip("tl.dot tiles have BLOCK_N >= 16")
+    inter, k, dt = 2048, 4096, torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=dt)
+    w = (torch.randn(2 * inter, k, device="cuda") / 32).to(dt)
+    graph, out = capture_graph(lambda: linear_small_m(x, w, config=config, act="gelu_tanh"))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = gated_reference(x, w.double(), "gelu_tanh")
+        assert_close(out, ref, TOL[dt], f"graph replay {config}")
+        unfused = torch_ops.gelu_tanh_and_mul(linear_small_m(x, w, config=config))
+        assert_close(out, unfused.double(), 2 * TOL[dt], "fused vs unfused")

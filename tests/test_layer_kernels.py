@@ -233,8 +233,10 @@ def rope_tables(positions_max: int, rot: int, dtype, base: float = 10000.0):
     [(4, 4, 64, 64), (6, 2, 64, 64), (8, 1, 128, 128), (3, 1, 80, 80), (2, 2, 96, 96),
      (4, 2, 256, 256), (3, 1, 96, 32), (2, 1, 128, 96)],
 )  # fmt: skip
-def test_rope_write_kv_matches_reference(dtype, hq, hkv, d, rot):
-    """Bit for bit; head dims 64-256, partial rotary (``rot < d``: the rest pass through)."""
+@pytest.mark.parametrize("split", [(1, 1), (2, 1), (4, 2), None])
+def test_rope_write_kv_matches_reference(dtype, hq, hkv, d, rot, split):
+    """Bit for bit; head dims 64-256, partial rotary (``rot < d``: the rest pass through); one
+    head a program, two, four (some programs with fewer heads than that), the default."""
     t, page, blocks, positions_max = 9, 4, 5, 300
     width = (hq + 2 * hkv) * d
     qkv = torch.randn(t, width + 24, device=DEVICE).to(dtype)[:, :width]  # strided rows
@@ -244,7 +246,8 @@ def test_rope_write_kv_matches_reference(dtype, hq, hkv, d, rot):
     slots[3] = -1  # a padding token: its K/V is not stored
     caches = [torch.full((blocks, page, hkv, d), float("nan"), device=DEVICE, dtype=dtype)
               for _ in range(4)]  # fmt: skip
-    q = rope_write_kv(qkv, pos, cos, sin, caches[0], caches[1], slots, hq, hkv)
+    q = rope_write_kv(qkv, pos, cos, sin, caches[0], caches[1], slots, hq, hkv,
+                      heads_per_program=split)  # fmt: skip
     q_ref = reference.rope_write_kv(qkv, pos, cos, sin, caches[2], caches[3], slots, hq, hkv)
     tol = 2e-7 if dtype == torch.float32 else 0.0  # float32: a product and a sum may fuse
     torch.testing.assert_close(q, q_ref, rtol=tol, atol=tol)
@@ -262,8 +265,9 @@ def test_rope_write_kv_matches_reference(dtype, hq, hkv, d, rot):
     [(4, 2, 128, 128, "qk", False), (6, 2, 64, 64, "k", False), (2, 1, 256, 256, "qk", True),
      (3, 1, 80, 40, "qk", False), (4, 4, 96, 96, "q", True)],
 )  # fmt: skip
+@pytest.mark.parametrize("split", [(1, 1), (4, 4)])
 def test_rope_write_kv_with_head_norms_matches_reference(dtype, hq, hkv, d, rot, norms,
-                                                         unit_offset):  # fmt: skip
+                                                         unit_offset, split):  # fmt: skip
     """q/k head RMSNorm before the rotation (Qwen3; Gemma 3 with ``(1 + w)``), fused: within
     two ulps of each head's largest value (the norm's float32 sum order moves a normed value
     by an ulp, which the rotation carries; float32: ``assert_heads_close``), the V cache bit
@@ -281,7 +285,8 @@ def test_rope_write_kv_with_head_norms_matches_reference(dtype, hq, hkv, d, rot,
     caches = [torch.full((blocks, page, hkv, d), float("nan"), device=DEVICE, dtype=dtype)
               for _ in range(4)]  # fmt: skip
     args = (hq, hkv, q_norm, k_norm, eps, unit_offset)
-    q = rope_write_kv(qkv, pos, cos, sin, caches[0], caches[1], slots, *args)
+    q = rope_write_kv(qkv, pos, cos, sin, caches[0], caches[1], slots, *args,
+                      heads_per_program=split)  # fmt: skip
     q_ref = reference.rope_write_kv(qkv, pos, cos, sin, caches[2], caches[3], slots, *args)
     assert_heads_close(q, q_ref, "q")
     kept = slots[slots >= 0]
@@ -328,6 +333,8 @@ def test_rope_write_kv_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="k_norm"):  # torch would promote q to float64
         rope_write_kv(qkv1, pos, cos, cos, cache, cache, slots, 1, 1, None,
                       torch.ones(64, dtype=torch.float64))  # fmt: skip
+    with pytest.raises(ValueError, match="heads_per_program"):
+        rope_write_kv(qkv1, pos, cos, cos, cache, cache, slots, 1, 1, heads_per_program=(3, 1))
 
 
 def test_pdl_chain_is_asked_for_and_needs_the_device(monkeypatch):
@@ -346,7 +353,8 @@ def test_pdl_chain_is_asked_for_and_needs_the_device(monkeypatch):
 def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
     """``load_backend("triton", pdl_chain=...)`` (EngineConfig.pdl_chain): each chained
     operation that runs here launches with that switch (``linear`` runs its kernel on CUDA
-    only; decode: tests/test_kernels.py)."""
+    only, so ``linear_act_and_mul`` here is ``linear`` then the activation kernel; decode:
+    tests/test_kernels.py)."""
     import kernels.activation
     import kernels.norm
     import kernels.rope
@@ -367,12 +375,13 @@ def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
     ops.norm_add_norm(x, x, w, w, 1e-6)
     ops.silu_and_mul(x)
     ops.gelu_tanh_and_mul(x)
+    ops.linear_act_and_mul(x, torch.randn(32, 64, device=DEVICE), None, None, "gelu_tanh")
     cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
     cos = torch.ones(10, 8, device=DEVICE)
     pos = slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     ops.rope_write_kv(torch.randn(2, 48, device=DEVICE), pos, cos, cos, cache, cache.clone(),
                       slots, 1, 1)  # fmt: skip
-    assert seen == [chain] * 6
+    assert seen == [chain] * 7
 
 
 @pytest.mark.parametrize("path", ["portable", "auto", "hopper"])

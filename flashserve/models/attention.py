@@ -47,6 +47,7 @@ BACKEND_OPS = (
     "norm_add_norm",
     "silu_and_mul",
     "gelu_tanh_and_mul",
+    "linear_act_and_mul",
     "rope_write_kv",
     "decode_attention",
     "prefill_attention",
@@ -73,6 +74,9 @@ class AttentionBackend(ABC):
     norm_add_norm: Op
     silu_and_mul: Op  # [T, 2I] -> [T, I]
     gelu_tanh_and_mul: Op  # [T, 2I] -> [T, I]
+    # (x [T, K], weight [2I, K] = [gate; up], bias, weight_scale, act) -> [T, I]: the gated
+    # MLP's projection and activation (act "silu" or "gelu_tanh"), where a backend may fuse
+    linear_act_and_mul: Op
     # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv, q_norm=None, k_norm=None,
     #  norm_eps=1e-6, norm_unit_offset=False, *, k_scale=None, v_scale=None) -> q [T, Hq, D]
     rope_write_kv: Op
@@ -165,7 +169,7 @@ class TritonBackend(AttentionBackend):
     """Attention on the Triton kernels; the small operations around it fused (RMSNorm with
     the residual add, and with Gemma's output norm before it; RoPE with the KV store, SiLU
     with the multiply), one launch each, and linear layers at decode batch sizes on the
-    weight-streaming kernel."""
+    weight-streaming kernel, the gated MLP's activation in its epilogue there."""
 
     name = "triton"
 
@@ -177,7 +181,7 @@ class TritonBackend(AttentionBackend):
     def _ops(self) -> dict[str, Op]:
         from kernels.activation import gelu_tanh_and_mul, silu_and_mul
         from kernels.decode import decode_attention
-        from kernels.gemv import linear
+        from kernels.gemv import linear, linear_act_and_mul
         from kernels.norm import add_rms_norm, norm_add_norm, rms_norm
         from kernels.prefill import prefill_attention
         from kernels.rope import rope_write_kv
@@ -185,7 +189,8 @@ class TritonBackend(AttentionBackend):
         chained = {"linear": linear, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm,
                    "norm_add_norm": norm_add_norm, "silu_and_mul": silu_and_mul,
                    "gelu_tanh_and_mul": gelu_tanh_and_mul, "rope_write_kv": rope_write_kv,
-                   "decode_attention": decode_attention}  # fmt: skip
+                   "decode_attention": decode_attention,
+                   "linear_act_and_mul": linear_act_and_mul}  # fmt: skip
         ops = {name: partial(fn, chain=self.pdl_chain) for name, fn in chained.items()}
         return {**ops, "prefill_attention": partial(prefill_attention, path=self.prefill_path)}
 

@@ -127,7 +127,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))``, SiLU (SwiGLU) or GELU-tanh (Gemma)."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, SiLU (SwiGLU) or GELU-tanh (Gemma); the
+    fused gate/up projection and the activation are one backend op (``linear_act_and_mul``:
+    the Triton backend folds the activation into the GEMV at decode batch sizes)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None):
         super().__init__()
@@ -136,11 +138,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, False, backend, fp8)
         if config.architecture not in FUSED_CHECKPOINTS:
             self.gate_up_proj.check_fusable({"gate_proj": inter, "up_proj": inter})
-        act = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}[config.hidden_act]
-        self.act_and_mul = getattr(backend, act)
+        self.act = config.hidden_act  # "silu" or "gelu_tanh" (ModelConfig checks)
+        self.ops = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        g = self.gate_up_proj  # [2I, hidden], gate rows first
+        h = self.ops.linear_act_and_mul(x, g.weight, g.bias, g.weight_scale, self.act)  # [T, I]
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
