@@ -1,4 +1,5 @@
-"""Small-M linear benchmark: ``python -m kernels.bench_gemv [--json FILE] [--wide] [--shapes]``.
+"""Small-M linear benchmark: ``python -m kernels.bench_gemv [--json FILE] [--wide] [--shapes]``
+(``--gated``: the gated MLP's gate_up with its activation, fused against unfused).
 
 Llama-3-8B linear shapes (N, K) at M in {1, 8, 16}, bf16: F.linear (cuBLAS) beside
 ``kernels.gemv.linear_small_m`` over a sweep of configs (the heuristic's pick among them).
@@ -9,6 +10,12 @@ once each; the device-to-device copy bandwidth (bytes read + written) is the 100
 The default run takes ~30 s on an H100 (cold Triton cache); ``--wide`` sweeps more configs
 (tuning, ~1.5 min); ``--shapes qkv_tp8,narrow`` times narrow layers, where K is split. With
 ``TRITON_INTERPRET=1`` it runs on the CPU at toy sizes (a smoke test of the script only).
+
+``--gated [--scales none,channel,block]``: gate_up of Gemma 3 12B (GELU-tanh), Llama 3 8B and
+Qwen3 8B (SiLU) at M = 1 (``GATED_MS``), the weight bf16 or e4m3: the GEMV alone, the GEMV then
+the activation kernel (the unfused path), and ``linear_small_m(act=...)`` (fused), each under
+CUDA-graph replay over rotated weight copies (>= 256 MB), launched as in the engine's decode
+graph (the PDL chain on where the device has it); three alternated rounds, medians.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels import quant
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.bench import SMOKE, copy_bandwidth, graph_time
 from kernels.gemv import _num_sms, gemv_config, linear_small_m, split_k_for
 
@@ -153,13 +162,108 @@ def finish(t0: float, meta: dict, copy_gbs: float, rows: list[dict], path: str |
             json.dump({"meta": meta, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
 
 
+# gate_up [2I, K] and the activation of each model's MLP
+GATED_SHAPES = {
+    "gemma3-12b": (30720, 3840, "gelu_tanh"),
+    "llama3-8b": (28672, 4096, "silu"),
+    "qwen3-8b": (24576, 4096, "silu"),
+}
+if SMOKE:
+    GATED_SHAPES = {"gemma3-toy": (192, 384, "gelu_tanh"), "llama3-toy": (128, 256, "silu")}
+GATED_MS = (1,)
+GATED_ROUNDS = 3
+_ACT = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
+def bench_gated(name: str, n: int, k: int, act: str, scales: str, copy_gbs: float) -> list[dict]:
+    """Fused (``linear_small_m(act=act)``) against unfused (the GEMV, then the activation
+    kernel) and the GEMV alone, for gate_up [n, k] (``scales``: none, channel or block)."""
+    wdt = DT if scales == "none" else torch.float8_e4m3fn
+    wbytes = n * k * wdt.itemsize
+    copies = 1 if SMOKE else max(2, math.ceil(ROTATE_BYTES / wbytes))
+    ws, ss = [], []
+    for _ in range(copies):
+        w = torch.randn(n, k, device=DEV, dtype=DT) / k**0.5
+        if scales != "none":
+            w, s = (quant.quantize_per_channel if scales == "channel" else quant.quantize_blocks)(w)
+            ss.append(s)
+        ws.append(w)
+    ss = ss or [None] * copies
+    rows = []
+    for m in GATED_MS:
+        xs = [torch.randn(m, k, device=DEV, dtype=DT) for _ in range(copies)]
+        mids = [torch.empty(m, n, device=DEV, dtype=DT) for _ in range(copies)]
+        outs = [torch.empty(m, n // 2, device=DEV, dtype=DT) for _ in range(copies)]
+        sets = list(zip(xs, ws, ss, mids, outs, strict=True))
+
+        def gemv(s):
+            return linear_small_m(s[0], s[1], out=s[3], weight_scale=s[2])
+
+        def unfused(s):
+            return _ACT[act](gemv(s))
+
+        def fused(s):
+            return linear_small_m(s[0], s[1], out=s[4], weight_scale=s[2], act=act)
+
+        err = rel_err(fused(sets[0]), unfused(sets[0]))
+        cases = {"gemv": gemv, "unfused": unfused, "fused": fused}
+        times = {c: [] for c in cases}
+        for _ in range(1 if SMOKE else GATED_ROUNDS):  # alternated: drift hits all alike
+            for c, fn in cases.items():
+                times[c].append(graph_time([lambda s=s, fn=fn: fn(s) for s in sets], CALLS))
+        t = {c: sorted(v)[len(v) // 2] for c, v in times.items()}
+        gbs = (wbytes + (m * k + m * n // 2) * DT.itemsize) / t["fused"] / 1e3
+        row = {
+            "shape": name, "N": n, "K": k, "act": act, "scales": scales, "M": m,
+            "config": list(gemv_config(m, n, k, _num_sms(torch.device(DEV)),
+                                       0 if scales == "none" else 1 + (scales == "block"))),
+            "gemv_us": t["gemv"], "unfused_us": t["unfused"], "fused_us": t["fused"],
+            "saved_us": t["unfused"] - t["fused"], "fused_gbs": gbs,
+            "fused_pct_copy": 100 * gbs / copy_gbs, "fused_vs_unfused_rel_err": err,
+            "rounds": {c: [round(x, 2) for x in v] for c, v in times.items()},
+        }  # fmt: skip
+        print("  " + json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_gated(rows: list[dict]) -> None:
+    print(f"\n{'shape':11} {'scales':7} {'M':>2} | {'gemv':>7} {'unfused':>7} {'fused':>7} "
+          f"{'saved':>6} | {'GB/s':>5} {'%copy':>5} | {'err':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['shape']:11} {r['scales']:7} {r['M']:2} | {r['gemv_us']:7.2f} "
+              f"{r['unfused_us']:7.2f} {r['fused_us']:7.2f} {r['saved_us']:6.2f} | "
+              f"{r['fused_gbs']:5.0f} {r['fused_pct_copy']:5.1f} | "
+              f"{r['fused_vs_unfused_rel_err']:7.1e}")  # fmt: skip
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--wide", action="store_true", help="sweep more configs (tuning)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    ap.add_argument("--shapes", default=None, help="comma-separated shape names")
+    ap.add_argument(
+        "--gated",
+        action="store_true",
+        help="gate_up fused with its activation vs unfused (GATED_SHAPES)",
+    )
+    ap.add_argument(
+        "--scales",
+        default="none",
+        help="--gated: weights, comma-separated: none (bf16), channel, block (e4m3)",
+    )
     args = ap.parse_args(argv)
     t0, sms, meta, copy_gbs = start()
+    if args.gated:
+        rows = []
+        for name in (args.shapes or ",".join(GATED_SHAPES)).split(","):
+            for scales in args.scales.split(","):
+                rows += bench_gated(name, *GATED_SHAPES[name], scales, copy_gbs)
+                torch.cuda.empty_cache() if not SMOKE else None
+        print_gated(rows)
+        finish(t0, meta, copy_gbs, rows, args.json)
+        return
+    args.shapes = args.shapes or ",".join(SHAPES)
     rows = []
     for name in args.shapes.split(","):
         n, k = {**SHAPES, **EXTRA_SHAPES}[name]
