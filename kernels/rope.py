@@ -1,12 +1,15 @@
 """Rotary position embedding of a step's queries and keys, fused with the KV store (Triton).
 
-One program per token reads its row of the fused QKV projection, rotates the query and key heads
-by the token's position (``x * cos + rotate_half(x) * sin``, the two halves of the rotated dims
-turning together), writes the rotated queries out, and stores the rotated keys and the values
-in the paged cache at the token's slot (-1: a CUDA-graph padding token, not stored).
+Each program takes a group of one token's heads from its row of the fused QKV projection: query
+heads it rotates by the token's position (``x * cos + rotate_half(x) * sin``, the two halves of
+the rotated dims turning together) and writes out; KV heads it rotates (the keys) and stores
+with the values in the paged cache at the token's slot (-1: a CUDA-graph padding token, not
+stored). A decode step takes one head a program, so that its few tokens' heads spread over
+the SMs; larger steps take all a token's query heads in one program and its KV heads in
+another (``rope_heads_per_program``).
 
 Two options of the newer architectures ride along in the same pass, as the program already
-holds each of its token's heads: per-head RMSNorm of q and k over the head dim before the
+holds each of its heads: per-head RMSNorm of q and k over the head dim before the
 rotation (Qwen3, Gemma 3: ``q_norm``/``k_norm``, Gemma's ``(1 + w)`` form with
 ``norm_unit_offset``), and partial rotary (Phi: tables ``[P, R/2]`` with ``R < D`` rotate only
 the first ``R`` dims, the rest pass through). A head is held as its two rotating halves (and
@@ -45,6 +48,8 @@ assert KV_SCALE_DTYPE == torch.bfloat16, "_fp8_scale rounds the scales to bf16"
 # the format's constants as the kernel sees them (a jit function reads constexpr globals only)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+# Programs of one head each up to this many heads in a step (``rope_heads_per_program``).
+_SPLIT_HEADS_MAX = 16384
 
 
 @triton.jit
@@ -191,16 +196,19 @@ def _rope_write_kv_kernel(
     HAS_KNORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
     QUANT: tl.constexpr,  # an fp8 cache: quantize K and V per head, store their scales
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HKV: tl.constexpr,
+    QH: tl.constexpr,  # query heads a program (a power of two); QH >= HQ: all in one
+    KH: tl.constexpr,  # KV heads a program (a power of two); KH >= HKV: all in one
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,  # 0 unless R < D
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
     CHAIN: tl.constexpr,
 ):
+    """Program (t, j): token t's query heads [j QH, (j + 1) QH) for j < cdiv(HQ, QH), else its
+    KV heads [i KH, (i + 1) KH), i = j - cdiv(HQ, QH)."""
     pdl_enter(CHAIN, PDL)  # PDL: the attention kernel after this one may start; it waits
     t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
     pos = tl.load(Pos + t)
     offs_r = tl.arange(0, BLOCK_HALF)
     r_mask = offs_r < HALF
@@ -208,36 +216,42 @@ def _rope_write_kv_kernel(
     s = tl.load(Sin + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     row = QKV + t * stride_t
     DT = QOut.dtype.element_ty
-    _rope_heads(row, QOut + t * stride_qt, stride_qh, QNorm, HQ, c, s, eps, D, HALF,
-                HAS_QNORM, UNIT_OFFSET, DT, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS)  # fmt: skip
-
-    slot = tl.load(Slots + t)
-    if slot >= 0:
-        # V is loaded before the K stores, which it would otherwise wait for (they may alias):
-        # H100, bf16, 32/8 heads of 128, one token, in a CUDA graph: 1.98 us after, 1.80
-        # before (the kernel before these options: 1.79); 16/8 of 256: 2.26 (2.24)
-        offs_g = tl.arange(0, BLOCK_HKV)
-        offs_d = tl.arange(0, BLOCK_D)
-        kv_mask = (offs_g[:, None] < HKV) & (offs_d[None, :] < D)  # [BHKV, BD]
-        v = tl.load(row + (HQ + HKV) * D + offs_g[:, None] * D + offs_d[None, :], mask=kv_mask,
-                    other=0.0)  # fmt: skip
-        page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
-        if QUANT:
-            s_off = (slot // PAGE) * stride_sb + slot % PAGE  # head 0's scale of this slot
-            _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D,
-                        HALF, HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS,
-                        KScale + s_off, PAGE, QUANT=True)  # fmt: skip
-            v = v.to(tl.float32)
-            vs = _fp8_scale(tl.max(tl.abs(v), 1))  # [BHKV]
-            tl.store(VScale + s_off + offs_g * PAGE, vs.to(VScale.dtype.element_ty),
-                     mask=offs_g < HKV)  # fmt: skip
-            v = _e4m3(v, vs[:, None])
-        else:  # the statements (and so the compiled code) of the kernel before fp8
-            _rope_heads(row + HQ * D, KCache + page_off, stride_ch, KNorm, HKV, c, s, eps, D,
-                        HALF, HAS_KNORM, UNIT_OFFSET, DT, BLOCK_HKV, BLOCK_HALF,
-                        BLOCK_PASS)  # fmt: skip
-        c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
-        tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
+    Q_PROGRAMS: tl.constexpr = (HQ + QH - 1) // QH
+    if j < Q_PROGRAMS:
+        h0 = j * QH
+        _rope_heads(row + h0 * D, QOut + t * stride_qt + h0 * stride_qh, stride_qh, QNorm,
+                    tl.minimum(HQ - h0, QH), c, s, eps, D, HALF, HAS_QNORM, UNIT_OFFSET, DT, QH,
+                    BLOCK_HALF, BLOCK_PASS)  # fmt: skip
+    else:
+        slot = tl.load(Slots + t)
+        if slot >= 0:
+            g0 = (j - Q_PROGRAMS) * KH
+            n_kv = tl.minimum(HKV - g0, KH)
+            # V is loaded before the K stores, which it would otherwise wait for (they may alias):
+            # H100, bf16, 32/8 heads of 128, one token, in a CUDA graph: 1.98 us after, 1.80
+            # before (the kernel before these options: 1.79); 16/8 of 256: 2.26 (2.24)
+            offs_g = tl.arange(0, KH)
+            offs_d = tl.arange(0, BLOCK_D)
+            kv_mask = (offs_g[:, None] < n_kv) & (offs_d[None, :] < D)  # [KH, BD]
+            v = tl.load(row + (HQ + HKV + g0) * D + offs_g[:, None] * D + offs_d[None, :],
+                        mask=kv_mask, other=0.0)  # fmt: skip
+            page_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + g0 * stride_ch
+            if QUANT:
+                s_off = (slot // PAGE) * stride_sb + slot % PAGE + g0 * PAGE  # head g0's scale
+                _rope_heads(row + (HQ + g0) * D, KCache + page_off, stride_ch, KNorm, n_kv, c, s,
+                            eps, D, HALF, HAS_KNORM, UNIT_OFFSET, DT, KH, BLOCK_HALF, BLOCK_PASS,
+                            KScale + s_off, PAGE, QUANT=True)  # fmt: skip
+                v = v.to(tl.float32)
+                vs = _fp8_scale(tl.max(tl.abs(v), 1))  # [KH]
+                tl.store(VScale + s_off + offs_g * PAGE, vs.to(VScale.dtype.element_ty),
+                         mask=offs_g < n_kv)  # fmt: skip
+                v = _e4m3(v, vs[:, None])
+            else:  # the statements (and so the compiled code) of the kernel before fp8
+                _rope_heads(row + (HQ + g0) * D, KCache + page_off, stride_ch, KNorm, n_kv, c, s,
+                            eps, D, HALF, HAS_KNORM, UNIT_OFFSET, DT, KH, BLOCK_HALF,
+                            BLOCK_PASS)  # fmt: skip
+            c_off = page_off + offs_g[:, None] * stride_ch + offs_d[None, :]
+            tl.store(VCache + c_off, v.to(VCache.dtype.element_ty), mask=kv_mask)
 
 
 def rope_write_kv(
@@ -258,10 +272,13 @@ def rope_write_kv(
     k_scale: torch.Tensor | None = None,  # [N, Hkv, BS]: an fp8 cache's scale pools
     v_scale: torch.Tensor | None = None,
     chain: bool = True,
+    heads_per_program: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """``kernels.reference.rope_write_kv`` in one kernel (see the module doc); ``chain``: join
     the decode layer's PDL chain where the device supports it (``kernels.common.pdl_chain``).
-    An fp8 cache (``float8_e4m3fn`` pools) needs its scale pools ``k_scale``/``v_scale``."""
+    An fp8 cache (``float8_e4m3fn`` pools) needs its scale pools ``k_scale``/``v_scale``.
+    ``heads_per_program``: (query, KV) heads a program, powers of two (default
+    ``rope_heads_per_program``)."""
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1:
@@ -282,7 +299,14 @@ def rope_write_kv(
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
-    _rope_write_kv_kernel[(t,)](
+    qh, kh = heads_per_program or rope_heads_per_program(t, num_heads, num_kv_heads)
+    if qh & (qh - 1) or kh & (kh - 1) or qh < 1 or kh < 1:
+        raise ValueError(f"heads_per_program must be two powers of two; got {(qh, kh)}")
+    qh = min(qh, triton.next_power_of_2(num_heads))
+    kh = min(kh, triton.next_power_of_2(num_kv_heads))
+    grid = (t, triton.cdiv(num_heads, qh) + triton.cdiv(num_kv_heads, kh))
+    work = max(min(qh, num_heads), min(kh, num_kv_heads)) * d  # a program's elements of a tensor
+    _rope_write_kv_kernel[grid](
         qkv, positions, cos, sin, qkv if q_norm is None else q_norm,
         qkv if k_norm is None else k_norm, q, k_cache, v_cache,
         k_scale if quant else k_cache, v_scale if quant else v_cache, slot_mapping,
@@ -291,17 +315,25 @@ def rope_write_kv(
         k_scale.stride(0) if quant else 0, norm_eps,
         HQ=num_heads, HKV=num_kv_heads, D=d, HALF=half, PAGE=page,
         HAS_QNORM=q_norm is not None, HAS_KNORM=k_norm is not None,
-        UNIT_OFFSET=norm_unit_offset, QUANT=quant,
-        BLOCK_HQ=triton.next_power_of_2(num_heads),
-        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        UNIT_OFFSET=norm_unit_offset, QUANT=quant, QH=qh, KH=kh,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if 2 * half < d else 0,
         BLOCK_D=triton.next_power_of_2(d),
         PDL=pdl_trigger(qkv.device), **pdl_kwargs(qkv.device, chain),
-        num_warps=4 if num_heads * d >= 2048 else 2,
+        num_warps=4 if work >= 2048 else 2 if work >= 256 else 1,
         enable_fp_fusion=False,  # a fused multiply-add would skip a rounding torch does
     )  # fmt: skip
     return q
+
+
+def rope_heads_per_program(t: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(query heads, KV heads) a program of ``t`` tokens: one head each while the step is small
+    (a decode step: its one program per token was a serial chain of every head's norm, rotation
+    and stores in one SM), else all of a token's query heads in one program and all its KV
+    heads in another."""
+    if t * (num_heads + num_kv_heads) <= _SPLIT_HEADS_MAX:
+        return 1, 1
+    return triton.next_power_of_2(num_heads), triton.next_power_of_2(num_kv_heads)
 
 
 def _check_norm(

@@ -156,16 +156,20 @@ def gluon_launch_kernel(d: int = 128, page: int = 128):
     return pg._gluon_prefill_kernel.run(*args, grid=grid, warmup=True, **options)
 
 
-def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128):
+def rope_kernel(fp8: bool, dt: str = "bf16", d: int = 128, heads: tuple[int, int] = (32, 8)):
+    """``heads``: the query and KV heads a program (``QH``, ``KH``)."""
     cache = "*fp8e4nv" if fp8 else f"*{dt}"
     ptrs = {"QKV": f"*{dt}", "Pos": "*i64", "Cos": f"*{dt}", "Sin": f"*{dt}", "QNorm": f"*{dt}",
             "KNorm": f"*{dt}", "QOut": f"*{dt}", "KCache": cache, "VCache": cache,
             "KScale": "*bf16" if fp8 else cache, "VScale": "*bf16" if fp8 else cache,
             "Slots": "*i64"}  # fmt: skip
     consts = dict(HQ=32, HKV=8, D=d, HALF=d // 2, PAGE=16, HAS_QNORM=False, HAS_KNORM=False,
-                  UNIT_OFFSET=False, QUANT=fp8, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=d // 2,
+                  UNIT_OFFSET=False, QUANT=fp8, QH=heads[0], KH=heads[1], BLOCK_HALF=d // 2,
                   BLOCK_PASS=0, BLOCK_D=d, PDL=True, CHAIN=True)  # fmt: skip
-    return _compile(rope._rope_write_kv_kernel, ptrs, consts, num_warps=4, enable_fp_fusion=False)
+    warps = 4 if max(heads) * d >= 2048 else 2 if max(heads) * d >= 256 else 1
+    return _compile(
+        rope._rope_write_kv_kernel, ptrs, consts, num_warps=warps, enable_fp_fusion=False
+    )
 
 
 def gemv_kernel(
@@ -355,6 +359,8 @@ VARIANTS = {
     "prefill-hopper-d64": lambda: hopper_prefill_kernel(64, 64),
     "prefill-hopper-d256": lambda: hopper_prefill_kernel(256, 64),
     "rope-fp8": lambda: rope_kernel(True),
+    "rope-fp8-head-a-program": lambda: rope_kernel(True, heads=(1, 1)),
+    "rope-bf16-head-a-program": lambda: rope_kernel(False, heads=(1, 1)),
 }  # fmt: skip
 
 
