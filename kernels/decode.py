@@ -101,6 +101,24 @@ def _tile_pages(bt, n0, lo, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WIND
 
 
 @triton.jit
+def _tile_scales(KS, VS, pages, n0, stride_sb, s_head, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FP8: the K and V scales (bf16 [BN]) of the KV tile at token ``n0``, its block-table
+    entries in ``pages`` (``_tile_pages``). Runs of min(PAGE, BN) contiguous offsets, each from a
+    multiple of it (block and head strides are multiples of PAGE, tiles start at multiples of
+    BN), which the compiler cannot see through the entries: told here, and loaded unmasked
+    (every offset is in the pool: entries of dead pages, and of the tile past the end, read
+    0). Masked or without the hint they load 2 bytes a thread, synchronously in the loop; so
+    they do where a tile has one scale a thread, which the kernel then loads a tile ahead
+    itself (``scales_ahead``; sm_90, Triton 3.6 and 3.9, 16-token pages: TTGIR)."""
+    srow = pages * stride_sb + s_head + (n0 + tl.arange(0, BLOCK_N)) % PAGE  # [BN]
+    if PAGE < BLOCK_N:
+        srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
+    else:
+        srow = tl.max_contiguous(tl.multiple_of(srow, BLOCK_N), BLOCK_N)
+    return tl.load(KS + srow), tl.load(VS + srow)
+
+
+@triton.jit
 def _pow2(e):
     """2^e as float32 for integer ``e`` in [-126, 127], from its exponent bits: exact."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -130,16 +148,16 @@ def _opaque_f16(x):
 
 @triton.jit
 def _attend_tile(
-    q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
-    stride_kt, head_off, stride_sb, s_head, qk_scale, cap_in, cap_out, PAGE: tl.constexpr,
+    q, K, V, k_sc, v_sc, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask, stride_kb,
+    stride_kt, head_off, qk_scale, cap_in, cap_out, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one KV tile at token ``n0`` (its block-table entries in ``pages``;
     tokens at or past ``end``, and left of ``lo`` when WINDOWED, masked: never loaded): the
     updated (m_i, l_i, acc). SOFTCAP: scores soft-capped (``softcap_log2``). FP8: K and V
-    are e4m3 with scales in ``KS``/``VS`` (this head's at ``s_head``); ``acc`` then carries a
-    factor ``V_SCALE_SHIFT``."""
+    are e4m3 with the tile's scales ``k_sc``/``v_sc`` (bf16 [BN], ``_tile_scales``); ``acc``
+    then carries a factor ``V_SCALE_SHIFT``."""
     kv = n0 + offs_n  # [BN] token positions
     row = pages * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
     kv_mask = kv < end
@@ -149,20 +167,8 @@ def _attend_tile(
     k = tl.load(K + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     v = tl.load(V + row[:, None] + offs_d[None, :], mask=ld_mask, other=0.0)
     if FP8:
-        # The tile's scales: runs of min(PAGE, BN) contiguous offsets, each from a multiple of
-        # it (block and head strides are multiples of PAGE, tiles start at multiples of BN),
-        # which the compiler cannot see through the block-table entries: told here (a hint on
-        # a function's argument is lost), and loaded unmasked (every offset is in the pool:
-        # entries of dead pages read 0), the loads are wide enough to be copied ahead with the
-        # K/V tiles. Masked or without the hint they load 2 bytes a thread, synchronously in
-        # the loop (sm_90, Triton 3.9, 16-token pages: TTGIR of the compiled kernel).
-        srow = pages * stride_sb + s_head + kv % PAGE  # [BN]
-        if PAGE < BLOCK_N:
-            srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
-        else:
-            srow = tl.max_contiguous(tl.multiple_of(srow, BLOCK_N), BLOCK_N)
-        k_sc = tl.load(KS + srow).to(tl.float32)
-        v_sc = tl.where(kv_mask, tl.load(VS + srow).to(tl.float32), 0.0)  # 0 past the end
+        k_sc = k_sc.to(tl.float32)
+        v_sc = tl.where(kv_mask, v_sc.to(tl.float32), 0.0)  # 0 past the end
         k = k.to(q.dtype)  # exact
         v = v.to(q.dtype)
         if PTX and q.dtype == tl.float16:
@@ -318,6 +324,7 @@ def _decode_split_kernel(
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PTX: tl.constexpr,  # compiled for an NVIDIA GPU: inline PTX (the interpreter runs none)
+    SCALES_AHEAD: tl.constexpr,  # FP8: load each tile's scales a tile ahead (_tile_scales)
 ):
     if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
         tl.extra.cuda.gdc_wait()
@@ -361,11 +368,23 @@ def _decode_split_kernel(
     # at 3 stages, 71.7 KB smem; 3 at 4, 104.4 KB; entries loaded in the loop: 1 buffer at any
     # num_stages, 2 loads two tiles ahead: no pipelining at all).
     pages = _tile_pages(bt, start, lo, end, PAGE, BLOCK_N, WINDOWED)
+    # FP8: each tile's scales (_tile_scales), copied ahead with the K/V tiles by Triton's
+    # pipeliner, or (SCALES_AHEAD) loaded a tile ahead here, beside the entries
+    k_sc, v_sc = 0.0, 0.0
+    if SCALES_AHEAD:
+        k_sc, v_sc = _tile_scales(KS, VS, pages, start, stride_sb, hkv * PAGE, PAGE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N
         nxt = _tile_pages(bt, n0 + BLOCK_N, lo, end, PAGE, BLOCK_N, WINDOWED)
+        k_tile, v_tile = k_sc, v_sc
+        if SCALES_AHEAD:
+            k_sc, v_sc = _tile_scales(KS, VS, nxt, n0 + BLOCK_N, stride_sb, hkv * PAGE, PAGE,
+                                      BLOCK_N)  # fmt: skip
+        elif FP8:
+            k_tile, v_tile = _tile_scales(KS, VS, pages, n0, stride_sb, hkv * PAGE, PAGE,
+                                          BLOCK_N)  # fmt: skip
         m_i, l_i, acc = _attend_tile(
-            q, K, V, KS, VS, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask,
-            stride_kb, stride_kt, head_off, stride_sb, hkv * PAGE, qk_scale, cap_in, cap_out,
+            q, K, V, k_tile, v_tile, pages, n0, lo, end, m_i, l_i, acc, offs_n, offs_d, d_mask,
+            stride_kb, stride_kt, head_off, qk_scale, cap_in, cap_out,
             PAGE=PAGE, BLOCK_N=BLOCK_N, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8,
             DOT_PRECISION=DOT_PRECISION, PTX=PTX,
         )  # fmt: skip
@@ -488,6 +507,17 @@ def _check_tiles(tiles: tuple, field: str = "tiles") -> None:
         raise ValueError(f"DecodeTuning.{field} {tiles}: (BLOCK_N, num_warps, num_stages) with "
                          "BLOCK_N a power of two >= 16, num_warps a power of two, "
                          "num_stages >= 1")  # fmt: skip
+
+
+def scales_ahead(fp8: bool, block_n: int, num_warps: int) -> bool:
+    """Whether stage 1 loads an fp8 tile's scales a tile ahead itself (``SCALES_AHEAD``) rather
+    than leave them to Triton's pipeliner: where a tile has one scale per thread
+    (``block_n == 32 * num_warps``: 2 bytes, under cp.async's 4), which the pipeliner left
+    synchronous in the loop, every tile waiting on two global loads (sm_90, Triton 3.6 and 3.9:
+    (128, 4, 2-4) at head dims 64, 128 and 256); every other config of the fp8 sweep has them
+    copied ahead with the K/V tiles. Loaded a tile ahead the SASS per tile is level (3.9: 850
+    -> 849 at (128, 4, 3), head dim 128; 3.6: 911 -> 928)."""
+    return fp8 and block_n == 32 * num_warps
 
 
 def _is_pow2(n: int) -> bool:
@@ -800,6 +830,7 @@ def _launch(
         MERGE_H=merge_h, MERGE_S=merge_s,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PTX=q.is_cuda and torch.version.hip is None,
+        SCALES_AHEAD=scales_ahead(scales is not None, block_n, num_warps),
         num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
 

@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable on this 
 from tensor_checks import assert_close  # noqa: E402
 
 from kernels import reference  # noqa: E402
-from kernels.decode import decode_attention  # noqa: E402
+from kernels.decode import DecodeTuning, decode_attention, scales_ahead  # noqa: E402
 from kernels.kv_quant import (  # noqa: E402
     FP8_KV_DTYPE,
     FP8_MAX,
@@ -246,6 +246,30 @@ def test_decode_fp8_matches_the_reference_on_the_dequantized_cache(dtype, hq, hk
     ref_out, ref_lse = _decode_ref(q, kv, d**-0.5, **ref_kw)
     assert_close(out, ref_out, TOL[dtype], f"fp8 decode out {kw}")
     assert_close(lse, ref_lse, LSE_TOL[dtype], f"fp8 decode lse {kw}")
+
+
+AHEAD_CASES = [  # (tiles, dtype, d, lens, page, call options): one scale a thread per tile
+    ((128, 4, 3), torch.float16, 128, [1000, 1, 300], 16, {}),
+    ((128, 4, 2), torch.bfloat16, 64, [700, 129, 2], 64, {"num_splits": 3}),
+    ((128, 4, 3), torch.float16, 64, [77, 300], 16, {"window": 50, "softcap": 5.0}),
+    ((256, 8, 2), torch.float16, 64, [1000, 255, 17], 16, {"num_splits": 2}),
+    ((128, 4, 3), torch.float32, 64, [129, 1, 700], 256, {"split_size": 256}),
+]
+
+
+@pytest.mark.parametrize("tiles,dtype,d,lens,page,kw", AHEAD_CASES)
+def test_decode_fp8_scales_loaded_a_tile_ahead(tiles, dtype, d, lens, page, kw):
+    """Tiles of one scale a thread (``scales_ahead``: the kernel loads each tile's scales a
+    tile ahead itself, across pages and splits, past the end and under windows) compute the
+    same attention; 256-token tiles over 16-token pages take 16 block-table entries a tile."""
+    assert scales_ahead(True, *tiles[:2])
+    kv = Fp8Paged(lens, 2, d, page)
+    q = torch.randn(len(lens), 8, d, device=DEVICE).to(dtype)
+    out, lse = _decode(q, kv, d**-0.5, tuning=DecodeTuning(tiles=tiles), **kw)
+    ref_kw = {k: v for k, v in kw.items() if k in ("window", "softcap")}
+    ref_out, ref_lse = _decode_ref(q, kv, d**-0.5, **ref_kw)
+    assert_close(out, ref_out, TOL[dtype], f"fp8 decode out {tiles} {kw}")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"fp8 decode lse {tiles} {kw}")
 
 
 def test_decode_fp8_split_equals_unsplit():
