@@ -265,19 +265,39 @@ def test_gated_configs_and_split_k(config, act, m):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("inter,k", [(37, 300), (192, 260)])
 def test_gated_fp8(scales, act, inter, k):
-    """e4m3 weights, M = 1..8, fp16 x, the heuristic's tiles: I = 37 puts gate and up rows in
-    one 128-row scale block, I = 192 up rows half a block in (each row reads its own block)."""
+    """e4m3 weights, M = 1..8, fp16 x, the heuristic's tiles. Block scales: I = 192 starts the
+    up rows half a block in (a tile's gate rows read one block row, its up rows another);
+    I = 37 (gate and up rows in one block, not a multiple of BLOCK_N / 2) is refused."""
     for m in range(1, 9):
+        if scales == "block" and inter % 32:
+            with pytest.raises(ValueError, match="multiple of BLOCK_N"):
+                run_gated(m, inter, k, torch.float16, act, scales=scales)
+            continue
         out, ref = run_gated(m, inter, k, torch.float16, act, scales=scales)
         assert_close(out, ref, TOL[torch.float16], f"{scales} {act} M={m} I={inter}")
+
+
+def test_gated_block_scales_off_the_tiles_take_two_steps(monkeypatch):
+    """linear_act_and_mul where the fused kernel would stream (``_streams``) but block scales
+    meet an I that is not a multiple of 64: the GEMV, then the activation kernel; right."""
+    monkeypatch.setattr(gemv, "_streams", lambda x, weight: True)
+    x = torch.randn(2, 300, device=DEVICE).half()
+    for inter in (37, 96, 128):
+        w, scale = quant.quantize_blocks(torch.randn(2 * inter, 300, device=DEVICE) / 10)
+        assert gemv._fuses(x, w, scale) == (inter % 64 == 0), inter
+        got = linear_act_and_mul(x, w, None, scale, "silu")
+        ref = gated_reference(x, quant.dequantize(w, scale, torch.float64), "silu")
+        assert_close(got, ref, TOL[torch.float16], f"block scales I={inter}")
 
 
 @pytest.mark.parametrize("config", [(16, 64, 3, 4, 2), (32, 256, 2, 4, 2), (64, 128, 1, 4, 2)])
 @pytest.mark.parametrize("scales", ["channel", "block"])
 @pytest.mark.parametrize("m", [1, 5])
 def test_gated_fp8_configs_and_split_k(config, scales, m):
-    """fp8 tiles unsplit and split (per-channel scales and the activation after the sum)."""
-    out, ref = run_gated(m, 100, 700, torch.float16, "gelu_tanh", bias=True, config=config,
+    """fp8 tiles unsplit and split (per-channel scales and the activation after the sum);
+    block scales at an I that is a multiple of each tile's BLOCK_N / 2."""
+    inter = 100 if scales == "channel" else 96
+    out, ref = run_gated(m, inter, 700, torch.float16, "gelu_tanh", bias=True, config=config,
                          scales=scales)  # fmt: skip
     assert_close(out, ref, TOL[torch.float16], f"{scales} {config} M={m}")
 

@@ -15,26 +15,25 @@ def compiled() -> dict[str, dict]:
 
 
 def test_every_gemv_variant_compiles_without_spills(compiled):
-    """No spill; the gated mma.sync tile with block scales (a scale pointer per row) keeps
-    one 8-byte value on the stack, stored before the K loop and read after it: none there."""
+    """No spill: no stack frame, no local loads or stores in the K loop."""
     assert len(compiled) == 18 and all(k.startswith("gemv-") for k in compiled), list(compiled)
     for name, row in compiled.items():
         spilled = row["stack_bytes"] + row["local_bytes"]
-        allowed = 8 if name == "gemv-gated-fp8-block-m1-mma2" else 0
-        assert spilled <= allowed and row["loop"]["sass_local"] == 0, (name, row)
+        assert spilled == 0 and row["loop"]["sass_local"] == 0, (name, row)
         assert row["regs"] <= 255 and row["loop"]["sass"] > 0, (name, row)
 
 
 def test_gated_epilogue_leaves_the_streaming_loop_alone(compiled):
     """The gated GEMV (activation in the epilogue) at each twin's tile: the K loop's SASS
-    instructions per weight byte within 2% of the ungated kernel's (block scales: each row
-    reads its own scale, where an ungated tile's rows share one), same kinds of MMA."""
+    instructions per weight byte within 2% of the ungated kernel's (block scales 4%: a second
+    scale a part, for the up rows, and its select; 1.5-3.3% seen), same kinds of MMA."""
     twins = [name for name in compiled if name.startswith("gemv-gated-")]
     assert len(twins) == 7, twins
     for gated in twins:
         plain = compiled[gated.replace("-gated", "")]["loop"]
         loop = compiled[gated]["loop"]
-        assert loop["per_byte"]["sass"] <= 1.02 * plain["per_byte"]["sass"], (gated, loop, plain)
+        slack = 1.04 if "block" in gated else 1.02
+        assert loop["per_byte"]["sass"] <= slack * plain["per_byte"]["sass"], (gated, loop, plain)
         assert (loop["mma"], loop["wgmma"]) == (plain["mma"], plain["wgmma"]), gated
 
 
