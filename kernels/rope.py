@@ -48,8 +48,12 @@ assert KV_SCALE_DTYPE == torch.bfloat16, "_fp8_scale rounds the scales to bf16"
 # the format's constants as the kernel sees them (a jit function reads constexpr globals only)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
-# Programs of one head each up to this many heads in a step (``rope_heads_per_program``).
-_SPLIT_HEADS_MAX = 16384
+# Programs of one head each up to this many heads in a step (``rope_heads_per_program``). H200,
+# bf16, graph replay, µs, one head a program / a token's query heads in one and KV heads in
+# another (docs/benchmarks/rope_split_bench.py): Gemma 3 (16/8 of 256, q/k norms) at 1, 4, 32
+# tokens 2.31 / 2.66, 2.38 / 2.64, 2.61 / 2.81; Llama 3 (32/8 of 128) 1.93 / 1.99, 2.00 /
+# 2.02, 2.60 / 2.12; at 256 tokens 8.7-13.7 / 3.3-5.0.
+_SPLIT_HEADS_MAX = 512
 
 
 @triton.jit
@@ -328,9 +332,9 @@ def rope_write_kv(
 
 def rope_heads_per_program(t: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     """(query heads, KV heads) a program of ``t`` tokens: one head each while the step is small
-    (a decode step: its one program per token was a serial chain of every head's norm, rotation
-    and stores in one SM), else all of a token's query heads in one program and all its KV
-    heads in another."""
+    (a decode step at a small batch: one program per token would run every head's norm,
+    rotation and stores in one SM), else all of a token's query heads in one program and all
+    its KV heads in another."""
     if t * (num_heads + num_kv_heads) <= _SPLIT_HEADS_MAX:
         return 1, 1
     return triton.next_power_of_2(num_heads), triton.next_power_of_2(num_kv_heads)
