@@ -51,7 +51,10 @@ class EngineConfig:
     # tokens of a bf16 one in the same bytes); None: from free memory (CPU: up to 2 GiB)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.90
-    block_size: int = 16  # tokens per KV block
+    # tokens per KV block; None: 128 where the sm_90 prefill paths run (the triton backend on
+    # an H100/H200, a bf16/fp16 cache: time to first token 1.46 -> 1.23 s at 32K and 14.5 ->
+    # 10.6 s at 128K, decode unchanged; docs/benchmarks/kernels.md), else 16
+    block_size: int | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     # auto (the model's dtype) | bfloat16 | float16 | float32 | fp8: an fp8 cache holds about
     # twice the tokens and halves the KV bytes decode reads; resolved to a name here
@@ -64,9 +67,9 @@ class EngineConfig:
     # the prefill kernel's path (kernels.prefill_paths.PATHS): portable (FlashAttention-2, every
     # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens,
     # bf16/fp16 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, plus
-    # Triton 3.6, bf16/fp16 models, no windows or soft-caps) or auto (hopper where it can run).
-    # Portable by default until the others are timed end to end (docs/benchmarks/kernels.md)
-    prefill_path: str = "portable"
+    # Triton 3.6, bf16/fp16 models, no windows or soft-caps) or auto (call by call: gluon where
+    # it can run, else hopper where it can, else portable)
+    prefill_path: str = "auto"
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt
     enable_prefix_caching: bool = True
@@ -106,6 +109,8 @@ class EngineConfig:
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":
             raise ValueError("pdl_chain needs the triton attention backend")
+        if self.block_size is None:
+            self.block_size = self._default_block_size()
         self._check_prefill_path()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size"):  # fmt: skip
@@ -149,6 +154,17 @@ class EngineConfig:
     def kv_pool_size_given(self) -> bool:
         """The KV pool's size is set (in tokens or bytes), not taken from free memory."""
         return self.max_kv_tokens is not None or self.kv_cache_memory_bytes is not None
+
+    def _default_block_size(self) -> int:
+        """128 where the sm_90 prefill paths can run (the triton backend on an sm_90 GPU, a
+        bf16/fp16 cache, a path other than portable), else 16: measured at both on the H100,
+        decode is the same (175 / 144 / 90 tok/s at 4K / 32K / 128K) and the prefill kernels
+        need pages of >= HOPPER_MIN_PAGE (docs/benchmarks/kernels.md, 2026-11-27)."""
+        hopper = (self.attention_backend == "triton" and self.device.startswith("cuda")
+                  and torch.cuda.get_device_capability(self.device)[0] == 9
+                  and self.kv_cache_dtype in ("bfloat16", "float16")
+                  and self.prefill_path != "portable")  # fmt: skip
+        return 128 if hopper else 16
 
     def _check_prefill_path(self) -> None:
         """An explicit hopper or gluon path is refused at start-up where its kernel cannot run

@@ -48,10 +48,11 @@ is ignored with 8 warps and fails to compile with 4), so the overlap of copies a
 from software pipelining (``num_stages``). fp8 caches and head dims other than 64, 128, 256
 stay on the portable path.
 
-``path="gluon"`` (opt-in, never taken by ``"auto"``) runs a separate kernel written in Gluon,
-FlashAttention-3 style (``kernels.prefill_gluon``): a producer warp, two consumer warpgroups
-in ping-pong, the softmax overlapping the next MMA. It shares this file's pool view and
-``hopper_refusal``, and refuses windows, soft-capping, fp8 and fp32 (``gluon_refusal``).
+``path="gluon"`` (and ``"auto"`` where it can run: ``_auto_gluon``) runs a separate kernel
+written in Gluon, FlashAttention-3 style (``kernels.prefill_gluon``): a producer warp, two
+consumer warpgroups in ping-pong, the softmax overlapping the next MMA. It shares this file's
+pool view and ``hopper_refusal``, and refuses windows, soft-capping, fp8 and fp32
+(``gluon_refusal``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from kernels.common import (
     softcap_log2,
 )
 from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
-from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, PATHS
+from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, PATHS, gluon_triton_refusal
 
 if TYPE_CHECKING:
     from kernels.prefill_gluon import GluonConfig
@@ -502,6 +503,24 @@ def _gluon_config(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, c
     return pg, cfg
 
 
+def _auto_gluon(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, config):
+    """What ``path="auto"`` runs the Gluon kernel with (``_gluon_config``'s module and config),
+    or None for the other paths: it takes it with no config given, on sm_90 itself under
+    Triton 3.6, with pages of >= HOPPER_MIN_PAGE tokens and inputs the kernel takes (H100,
+    2026-11-27: 558 / 589 TFLOP/s at 4K / 16K with 128-token pages, the Hopper path 480 /
+    512; docs/benchmarks/kernels.md)."""
+    if config is not None or not q.is_cuda or k_cache.shape[1] < HOPPER_MIN_PAGE:
+        return None
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return None
+    if gluon_triton_refusal(triton.__version__) is not None:
+        return None
+    try:
+        return _gluon_config(q, k_cache, v_cache, fp8, window, softcap, None)
+    except ValueError:  # windows, soft-caps, fp8, fp32, pools its descriptors cannot take
+        return None
+
+
 def _pick_path(path: str, q, k_cache, v_cache, fp8: bool, config) -> tuple[bool, tuple]:
     """(whether the Hopper path runs, the 5-entry config; programs_per_sm 0 on the portable
     path): ``"auto"`` takes the Hopper path on sm_90 with pages of >= HOPPER_MIN_PAGE tokens
@@ -550,13 +569,13 @@ def prefill_attention(
     device sync). ``max_seq_len`` is accepted for interface parity and unused. ``config`` =
     (BLOCK_M, BLOCK_N, num_warps, num_stages[, programs_per_sm]) overrides the tuning; the
     fifth entry is the Hopper path's persistent programs per SM (default 1; 0: no persistent
-    loop, one program per work item). ``path``: ``"portable"`` (the default until the Hopper
-    path's GPU tests and timings are in: it was built without a GPU), ``"auto"`` (the Hopper
-    path on sm_90 with pages of >= 64 tokens when the inputs allow it, else the portable one),
-    or ``"hopper"`` (ValueError if the inputs do not allow it: ``hopper_refusal``), or
-    ``"gluon"`` (``kernels.prefill_gluon``, FlashAttention-3 style, sm_90 only, never picked by
-    ``"auto"``; ``config`` is then a ``GluonConfig``; ValueError with the reason if the inputs
-    do not fit it: windows, soft-capping, fp8 and fp32 are refused). ``window`` >
+    loop, one program per work item). ``path``: ``"portable"`` (the default: every GPU and the
+    interpreter), ``"auto"`` (on sm_90 with pages of >= 64 tokens: the Gluon kernel where it
+    can run, ``_auto_gluon``, else the Hopper path when the inputs allow it; else the portable
+    one), ``"hopper"`` (ValueError if the inputs do not allow it: ``hopper_refusal``), or
+    ``"gluon"`` (``kernels.prefill_gluon``, FlashAttention-3 style, sm_90 only; ``config`` is
+    then a ``GluonConfig``; ValueError with the reason if the inputs do not fit it: windows,
+    soft-capping, fp8 and fp32 are refused). ``window`` >
     0: a query at position p sees keys ``p - window < j <= p`` only, and the pages left of its
     window are not read; ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``
     (0: off). An fp8 cache (``float8_e4m3fn`` pages) comes with its scale pools
@@ -591,15 +610,19 @@ def prefill_attention(
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if return_lse else None
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    gluon = None
     if path == "gluon":  # refused before the empty-batch return: the answer must not depend on T
-        gluon, gluon_cfg = _gluon_config(q, k_cache, v_cache, fp8, window, softcap, config)
+        gluon = _gluon_config(q, k_cache, v_cache, fp8, window, softcap, config)
+    elif path == "auto":
+        gluon = _auto_gluon(q, k_cache, v_cache, fp8, window, softcap, config)
     if t == 0 or bsz == 0:
         return (out, lse) if return_lse else out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if path == "gluon":
-        gluon.gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                            max_query_len, out, lse, gluon_cfg)  # fmt: skip
+    if gluon is not None:
+        module, gluon_cfg = gluon
+        module.gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                             max_query_len, out, lse, gluon_cfg)  # fmt: skip
         return (out, lse) if return_lse else out
 
     hopper, (block_m, block_n, num_warps, num_stages, per_sm) = _pick_path(

@@ -1,9 +1,10 @@
 """The prefill kernel's paths and what the Hopper path needs, apart from ``kernels.prefill`` so
 that the engine's config and command line read them without importing Triton."""
 
-# the engine's choices (EngineConfig.prefill_path); auto never takes gluon (opt-in)
+# the engine's choices (EngineConfig.prefill_path); auto: gluon where it can run, else hopper
+# where it can, else portable (kernels.prefill)
 PATHS = ("auto", "portable", "hopper", "gluon")
-# "auto" takes the Hopper path from here: KV tiles of >= 64 keys. The Gluon kernel's tiles
+# "auto" takes the sm_90 paths from here: KV tiles of >= 64 keys. The Gluon kernel's tiles
 # (128 keys, 64 at d256, cut to the page) would run on shorter pages, but its GPU tests cover
 # pages of 64 and 128 only, so the engine holds both sm_90 paths to this.
 HOPPER_MIN_PAGE = 64

@@ -161,10 +161,12 @@ def test_pdl_chain_flag_and_its_default(flag, expected):
     assert engine_config_from_args(args).pdl_chain is expected
 
 
-@pytest.mark.parametrize("flag, expected", [([], "portable"), (["--prefill-path", "auto"], "auto")])
+@pytest.mark.parametrize(
+    "flag, expected", [([], "auto"), (["--prefill-path", "portable"], "portable")]
+)
 def test_prefill_path_flag_and_its_default(flag, expected):
-    """Portable until the Hopper path has been timed; auto is accepted anywhere (it falls back
-    to the portable kernel where the Hopper one cannot run)."""
+    """Auto by default, accepted anywhere (it falls back to the portable kernel where the
+    sm_90 ones cannot run)."""
     from flashserve.cli.args import engine_config_from_args
     from flashserve.cli.main import build_parser
 

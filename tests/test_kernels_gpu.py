@@ -432,19 +432,28 @@ def test_prefill_hopper_sweep_configs_are_right(d):
         assert_close(out, ref, BF16_TOL, f"hopper d={d} {cfg}")
 
 
-def test_prefill_auto_takes_the_hopper_path_on_sm90():
-    """``path="auto"``: on sm_90 the Hopper path from 64-token pages on (the same bits as
-    ``path="hopper"``), the portable kernel on 16-token pages; elsewhere the portable one."""
-    from kernels.prefill import prefill_attention
+@pytest.mark.parametrize("window", [0, 1000])
+def test_prefill_auto_takes_the_sm90_paths(window):
+    """``path="auto"``: on sm_90 under Triton 3.6 the Gluon kernel from 64-token pages on (the
+    same bits as ``path="gluon"``), the Hopper path where Gluon refuses (a window) or cannot
+    run, the portable kernel on 16-token pages and off sm_90."""
+    import triton
 
-    hopper = torch.cuda.get_device_capability()[0] == 9
+    from kernels.prefill import prefill_attention
+    from kernels.prefill_paths import gluon_triton_refusal
+
+    cap = torch.cuda.get_device_capability()
+    gluon = cap == (9, 0) and gluon_triton_refusal(triton.__version__) is None and not window
     for page in (16, 64, 128):
         k, v, bt, sl = paged([3000], 8, 128, page)
         q = torch.randn(3000, 32, 128, device="cuda", dtype=torch.bfloat16)
         cu = cu_of([3000])
-        auto = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=3000, path="auto")
-        picked = "hopper" if hopper and page >= 64 else "portable"
-        same = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=3000, path=picked)
+        kw = dict(max_query_len=3000, window=window)
+        auto = prefill_attention(q, k, v, cu, sl, bt, 0.088, path="auto", **kw)
+        picked = "portable"
+        if cap[0] == 9 and page >= 64:
+            picked = "gluon" if gluon else "hopper"
+        same = prefill_attention(q, k, v, cu, sl, bt, 0.088, path=picked, **kw)
         assert torch.equal(auto, same), (page, picked)
 
 

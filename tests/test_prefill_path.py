@@ -1,6 +1,7 @@
 """The engine's prefill path (``EngineConfig.prefill_path``, ``--prefill-path``): an explicit
 hopper or gluon path is refused at start-up, with its reason, wherever its kernel cannot run;
-auto never takes gluon. The device is stood in for (a capability reported by a patched
+auto (the default) starts anywhere, and the default block size is 128 where the sm_90 paths
+can run. The device is stood in for (a capability reported by a patched
 ``torch.cuda``): these run on the CPU; the kernels' own results are the GPU tests'."""
 
 from __future__ import annotations
@@ -79,6 +80,31 @@ def test_gluon_refuses_float32_and_other_tritons(sm, monkeypatch):
         _config(prefill_path="gluon")
     assert gluon_triton_refusal(GLUON_TRITON + "1") is None
     assert _config(prefill_path="hopper").prefill_path == "hopper"  # not Triton-bound
+
+
+@pytest.mark.parametrize(
+    "cap, overrides, block",
+    [
+        ((9, 0), {}, 128),
+        ((9, 0), {"prefill_path": "hopper"}, 128),
+        ((9, 0), {"dtype": "float16"}, 128),
+        ((9, 0), {"prefill_path": "portable"}, 16),
+        ((9, 0), {"kv_cache_dtype": "fp8"}, 16),  # fp8 caches take the portable path
+        ((9, 0), {"dtype": "float32"}, 16),  # so do float32 ones
+        ((9, 0), {"attention_backend": "torch"}, 16),
+        ((9, 0), {"device": "cpu"}, 16),
+        ((8, 0), {}, 16),
+        ((10, 0), {}, 16),
+        ((9, 0), {"block_size": 32}, 32),  # given: kept, and auto runs the portable kernel
+    ],
+)
+def test_the_default_block_size_follows_the_prefill_path(sm, cap, overrides, block):
+    """128-token blocks where the sm_90 prefill paths can run (their tiles are a page's run of
+    >= 64 keys), 16 elsewhere; a given size is kept."""
+    sm(cap)
+    config = EngineConfig(**{"device": "cuda", **overrides})
+    assert config.block_size == block
+    assert config.prefill_path == overrides.get("prefill_path", "auto")
 
 
 @pytest.mark.parametrize("path", ["portable", "auto"])

@@ -69,7 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "activations and the KV cache, which gets the rest (default: "
         f"{EngineConfig.gpu_memory_utilization:.2f})",
     )
-    g.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two)")
+    g.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two; "
+                   "default 128 where the sm_90 prefill paths run: the triton backend on an "
+                   "H100/H200 with a bf16/fp16 cache; else 16)")  # fmt: skip
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     g.add_argument(
         "--quantization",
@@ -121,11 +123,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-path",
         choices=PREFILL_PATHS,
-        help="the Triton prefill kernel: portable (default; every GPU), hopper (TMA copies and "
+        help="the Triton prefill kernel: auto (default: gluon where it can run, else hopper "
+        "where it can, else portable), portable (every GPU), hopper (TMA copies and "
         "persistent programs; sm_90 with --block-size 64 or more, bf16/fp16 KV, head dims "
         "64/128/256), gluon (FlashAttention-3 style, warp-specialized; as hopper, plus Triton "
-        "3.6, bf16/fp16 models, no sliding windows or soft-capping; best at --block-size 128), "
-        "or auto (hopper where it can run)",
+        "3.6, bf16/fp16 models, no sliding windows or soft-capping; best at --block-size 128)",
     )
     g.add_argument(
         "--pdl-chain",
