@@ -44,6 +44,12 @@ block mma.sync 1.621 against 1.594). H200, graph replay, M = 1, gate_up fused ag
 then activation kernel (``python -m kernels.bench_gemv --gated``), us: Gemma-3-12B bf16
 54.9 / 56.9, Llama-3-8B 54.4 / 55.5, Qwen3-8B 47.3 / 48.4; fused within 0.2 us of the GEMV.
 
+Tensor parallelism on two ranks (``FOLD``, ``linear_small_m(fold=...)``): a row-parallel layer's
+output is also stored into the other rank's symmetric-memory slot of this call, and every
+program then adds its share to that rank's flag (``kernels.fold``), where the norm after it
+waits: the all-reduce without a collective. The K loop is untouched (sm_90 compile reports:
+the same SASS per weight byte within 1%, tests/test_tp_fold_compile.py).
+
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
 counters live in a per-device buffer that every launch leaves zeroed (the summing program resets
 its own), so replays need no memset. Calls on one device must not overlap in time (one stream).
@@ -58,6 +64,7 @@ import triton.language as tl
 from kernels.activation import gate_act, gelu_tanh_and_mul, silu_and_mul
 from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
+from kernels.fold import AllReduceFold, fold_send_done, fold_slot
 from kernels.fp8 import fp8_linear
 
 MAX_M = 16
@@ -68,14 +75,15 @@ GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
 
 
 @triton.jit
-def _store_out(acc, Bias, Scale, Out, offs_m, offs_n, n_mask, col0, M, n_out, stride_om,
+def _store_out(acc, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_out, stride_om,
                HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr,
-               LIBDEVICE: tl.constexpr):  # fmt: skip
+               LIBDEVICE: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
     """acc [BM, BN] fp32, column j the sum of weight row ``offs_n[j]`` (valid where
     ``n_mask``): ``y = acc (* scale[row]) (+ bias[row])``, then out[m, col0 + j] = y[m, j]
     (GATED 0), or with GATED the act of each even column times the odd one after it,
     ``act(y[m, 2j]) * y[m, 2j + 1]`` (SiLU: 1, GELU-tanh: 2), in fp32; for m < M and output
-    columns < n_out."""
+    columns < n_out. FOLD: the same values into ``Send`` too (the peer's slot, rows of
+    n_out: ``kernels.fold``)."""
     if ROW_SCALE:
         acc *= tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -86,7 +94,10 @@ def _store_out(acc, Bias, Scale, Out, offs_m, offs_n, n_mask, col0, M, n_out, st
     offs_o = col0 + tl.arange(0, acc.shape[1])
     ptrs = Out + offs_m[:, None] * stride_om + offs_o[None, :]
     mask = (offs_m < M)[:, None] & (offs_o < n_out)[None, :]
-    tl.store(ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+    y = acc.to(Out.dtype.element_ty)
+    tl.store(ptrs, y, mask=mask)
+    if FOLD:
+        tl.store(Send + offs_m[:, None] * n_out + offs_o[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -193,10 +204,17 @@ def _linear_kernel(
     F16_DOT: tl.constexpr = False,  # a float8 weight and 16-bit x: f16 operands
     GATED: tl.constexpr = 0,  # 0: out = the product; SiLU (1), GELU-tanh (2): the gated MLP's
     LIBDEVICE: tl.constexpr = False,  # GELU's tanh from libdevice (CUDA), else made of exp
+    Send=None,  # [2, R, N] the peer's slots (FOLD: kernels.fold)
+    SendFlag=None,  # [1] int64, the peer's flag (FOLD)
+    Calls=None,  # [1] int64, this rank's folded calls (FOLD)
+    stride_send=0,  # elements of one slot of Send (FOLD)
+    FOLD: tl.constexpr = False,  # the output to the peer's slot too, then the peer's flag
 ):
     pdl_enter(CHAIN)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if FOLD:  # this call's slot of the peer's buffer
+        Send += fold_slot(Calls) * stride_send
     offs_m = tl.arange(0, BLOCK_M)
     if GATED:  # W is [gate; up], N = 2I rows: tile column c is gate row i (c even) or up row
         half = N // 2  # I + i (c odd), i = pid_n * BLOCK_N / 2 + c // 2, an output column
@@ -285,11 +303,13 @@ def _linear_kernel(
                 ptrs = part[None, :, :] + idx[:, None, None] * M * N  # [MS, BM, BN]
                 live = (idx < num_splits)[:, None, None] & out_mask[None, :, :]
                 total += tl.sum(tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg"), 0)
-            _store_out(total, Bias, Scale, Out, offs_m, offs_n, n_mask, col0, M, n_out,
-                       stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE)  # fmt: skip
+            _store_out(total, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_out,
+                       stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD)  # fmt: skip
     else:
-        _store_out(acc, Bias, Scale, Out, offs_m, offs_n, n_mask, col0, M, n_out, stride_om,
-                   HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE)  # fmt: skip
+        _store_out(acc, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_out,
+                   stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD)  # fmt: skip
+    if FOLD:  # every program, the split ones that stored no output too: the peer counts them
+        fold_send_done(SendFlag)
 
 
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
@@ -445,6 +465,7 @@ def linear_small_m(
     config: tuple[int, int, int, int, int] | None = None,
     chain: bool = True,
     act: str | None = None,  # "silu" or "gelu_tanh": the gated MLP's activation, out [M, N/2]
+    fold: AllReduceFold | None = None,  # a row-parallel layer's output sent to the peer rank
 ) -> torch.Tensor:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
@@ -463,6 +484,11 @@ def linear_small_m(
     (SPLIT_K is capped at the number of K tiles, and lowered so that no split is empty).
     ``chain``: join the decode layer's PDL chain where the device supports it
     (``kernels.common.pdl_chain``).
+
+    ``fold``: the output is this rank's partial sum of a row-parallel layer under tensor
+    parallelism on two ranks; it is also stored into the peer's slot of this call, whose flag
+    each program then advances (``kernels.fold``): the norm after it adds the two. Not with
+    ``act``.
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)
@@ -474,6 +500,10 @@ def linear_small_m(
         out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be {x.dtype} [{m}, {n_out}] with contiguous rows")
+    if fold is not None:
+        if gated:
+            raise ValueError("fold takes a row-parallel layer's output, not a gated one")
+        fold.check(out, "the GEMV's output")
     block_n, block_k, split_k, num_warps, num_stages = config or gemv_config(
         m, n, k, _num_sms(x.device), w_scale
     )
@@ -506,8 +536,17 @@ def linear_small_m(
         X_ROWS=triton.next_power_of_2(m) if fp8 else block_m,
         F16_DOT=fp8 and x.dtype != torch.float32, GATED=gated,
         LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
+        **_fold_args(fold),
     )  # fmt: skip
     return out
+
+
+def _fold_args(fold: AllReduceFold | None) -> dict:
+    """_linear_kernel's FOLD arguments: the peer's slots and flag, this rank's counter."""
+    if fold is None:
+        return dict(Send=None, SendFlag=None, Calls=None, stride_send=0, FOLD=False)
+    return dict(Send=fold.send, SendFlag=fold.send_flag, Calls=fold.calls,
+                stride_send=fold.send.stride(0), FOLD=True)  # fmt: skip
 
 
 def _gated(act: str | None, n: int) -> int:
@@ -548,12 +587,15 @@ def linear(
     weight_scale: torch.Tensor | None = None,  # fp32 [N] or [cdiv(N, 128), cdiv(K, 128)]
     *,
     chain: bool = True,
+    fold: AllReduceFold | None = None,
 ) -> torch.Tensor:  # [T, N]
     """``F.linear`` for the Triton backend: ``linear_small_m`` on CUDA at decode batch sizes
     (1 <= T <= MAX_M, contiguous weight and rows, taking ``chain`` as it does); above, cuBLAS,
-    or for a float8 weight ``kernels.fp8.fp8_linear`` (FP8 tensor cores)."""
-    if _streams(x, weight):
-        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain)
+    or for a float8 weight ``kernels.fp8.fp8_linear`` (FP8 tensor cores). ``fold`` (a
+    row-parallel layer's all-reduce folded into this GEMV and the norm after it): always
+    ``linear_small_m``, which refuses operands it cannot stream."""
+    if fold is not None or _streams(x, weight):
+        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, fold=fold)
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -8,6 +8,11 @@ norm (``unit_offset``) scales by ``1 + w`` in float32 instead and rounds once, t
 activations' dtype. The sandwich rounds the first norm's output where ``rms_norm`` would
 return it, then adds and norms as above. Only the order of the float32 sum of squares differs
 from torch, which moves a result by at most one unit in the last place of the output dtype.
+
+Under tensor parallelism on two ranks (``FOLD``, ``fold=``) the input is this rank's partial sum
+of a row-parallel layer: the kernel first waits for the other rank's (its GEMV stored them into
+this rank's slot and advanced this rank's flag: ``kernels.fold``) and adds them in float32,
+rounded to the input's dtype as an all-reduce returns the sum; the rest is unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import pdl_enter, pdl_kwargs
+from kernels.fold import AllReduceFold, fold_wait
 
 
 @triton.jit
@@ -51,12 +57,24 @@ def _rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,  # Gemma: scale by 1 + w in float32, one rounding
     BLOCK: tl.constexpr,
     CHAIN: tl.constexpr,
+    Recv=None,  # [2, R, H] the peer's partial sums of X, slot k % 2 (FOLD: kernels.fold)
+    RecvFlag=None,  # [1] int64, this rank's flag (FOLD)
+    Calls=None,  # [1] int64, this rank's folded calls (FOLD)
+    Status=None,  # [1] int64, the flag value a program gave up on (FOLD)
+    stride_recv=0,  # elements of one slot of Recv (FOLD)
+    spin_limit=0,  # reads of the flag before giving up (FOLD)
+    FOLD: tl.constexpr = False,  # X is this rank's partial sum: wait for the peer's, add it
 ):
     pdl_enter(CHAIN)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if FOLD:  # the all-reduce: the two ranks' sums added in float32, rounded as NCCL rounds
+        slot = fold_wait(Calls, RecvFlag, Status, spin_limit)
+        peer = tl.load(Recv + slot * stride_recv + row * H + offs, mask=mask, other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+        x = (x.to(tl.float32) + peer.to(tl.float32)).to(x.dtype)
     if HAS_RES:
         xf = x.to(tl.float32)
         if POST_NORM:  # rounded where the separate rms_norm rounds its output
@@ -70,7 +88,8 @@ def _rms_norm_kernel(
     tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, chain) -> None:
+def _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, chain,
+            fold=None) -> None:  # fmt: skip
     t, h = x.shape
     if t == 0:
         return
@@ -93,8 +112,18 @@ def _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, ch
         res_out.stride(0) if has_res else 0, eps,
         H=h, HAS_RES=has_res, POST_NORM=post, POST_F32=post_f32, UNIT_OFFSET=unit_offset,
         BLOCK=block, num_warps=max(1, min(16, block // 512)),
-        **fusion, **pdl_kwargs(x.device, chain),
+        **fusion, **pdl_kwargs(x.device, chain), **_fold_args(fold),
     )  # fmt: skip
+
+
+def _fold_args(fold: AllReduceFold | None) -> dict:
+    """_rms_norm_kernel's FOLD arguments: this rank's slots, flag, counter and status."""
+    if fold is None:
+        return dict(Recv=None, RecvFlag=None, Calls=None, Status=None, stride_recv=0,
+                    spin_limit=0, FOLD=False)  # fmt: skip
+    return dict(Recv=fold.recv, RecvFlag=fold.recv_flag, Calls=fold.calls, Status=fold.status,
+                stride_recv=fold.recv.stride(0), spin_limit=fold.spin_limit,
+                FOLD=True)  # fmt: skip
 
 
 def _out_dtype(x_dtype: torch.dtype, weight: torch.Tensor, unit_offset: bool) -> torch.dtype:
@@ -136,11 +165,15 @@ def add_rms_norm(
     unit_offset: bool = False,
     *,
     chain: bool = True,
+    fold: AllReduceFold | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + x), residual + x
     """``kernels.reference.add_rms_norm`` in one kernel (``unit_offset``: Gemma's ``(1 + w)``
     norm); ``chain``: join the decode layer's PDL chain where the device supports it
-    (``kernels.common.pdl_chain``)."""
-    return _add_norm(x, residual, None, weight, eps, unit_offset, chain)
+    (``kernels.common.pdl_chain``). ``fold``: ``x`` is this rank's partial sum of a
+    row-parallel layer whose GEMV sent the peer's its own (``kernels.fold``): the kernel waits
+    for the peer's and adds it to ``x`` (rounded to x's dtype, as an all-reduce returns it)
+    before the rest."""
+    return _add_norm(x, residual, None, weight, eps, unit_offset, chain, fold)
 
 
 def norm_add_norm(
@@ -152,26 +185,31 @@ def norm_add_norm(
     unit_offset: bool = False,
     *,
     chain: bool = True,
+    fold: AllReduceFold | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(residual + rms_norm(x)), that residual
     """``kernels.reference.norm_add_norm`` in one kernel: Gemma's two norms between
     sublayers (the output's own norm, the residual add, the next input norm), one launch
     where the separate calls take two; ``chain`` as ``add_rms_norm``'s. The normed output is
-    rounded to the dtype torch's ``rms_norm`` returns before the add, as there."""
+    rounded to the dtype torch's ``rms_norm`` returns before the add, as there. ``fold`` as
+    ``add_rms_norm``'s: the output norm applies to the two ranks' sum (a norm is not linear:
+    each rank's partial cannot be normed alone)."""
     _check(x, post_weight)
     if _out_dtype(x.dtype, post_weight, unit_offset) not in (x.dtype, torch.float32):
         raise ValueError(f"post_weight {post_weight.dtype} with x {x.dtype}: the normed "
                          "output must be in x's dtype or float32")  # fmt: skip
-    return _add_norm(x, residual, post_weight, weight, eps, unit_offset, chain)
+    return _add_norm(x, residual, post_weight, weight, eps, unit_offset, chain, fold)
 
 
-def _add_norm(x, residual, post_weight, weight, eps, unit_offset, chain):
+def _add_norm(x, residual, post_weight, weight, eps, unit_offset, chain, fold=None):
     _check(x, weight)
     if residual.shape != x.shape or residual.stride(1) != 1:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if fold is not None:
+        fold.check(x, "the norm's input")
     h_dtype = x.dtype if post_weight is None else _out_dtype(x.dtype, post_weight, unit_offset)
     res_out = torch.empty(x.shape, dtype=torch.promote_types(h_dtype, residual.dtype),
                           device=x.device)  # fmt: skip
     out = torch.empty(x.shape, dtype=_out_dtype(res_out.dtype, weight, unit_offset),
                       device=x.device)  # fmt: skip
-    _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, chain)
+    _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, chain, fold)
     return out, res_out

@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from kernels import decode, gemv, prefill, prefill_gluon, rope  # noqa: E402
+from kernels import decode, gemv, norm, prefill, prefill_gluon, rope  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # runtime ints that a launch does not specialize as multiples of 16 (the rest are pointers and
@@ -180,22 +180,47 @@ def gemv_kernel(
     w_scale: int = 0,
     x_rows: int | None = None,
     gated: int = 0,
+    fold: bool = False,
+    split: bool = False,
 ):
-    """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit, K a multiple of BLOCK_K;
-    ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1 or 2), ``tile``: (BLOCK_N,
-    BLOCK_K, num_warps, num_stages); ``gated``: the gated MLP's epilogue (1 SiLU, 2 GELU-tanh,
-    libdevice's tanh)."""
+    """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit (``split``: K split),
+    K a multiple of BLOCK_K; ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1
+    or 2), ``tile``: (BLOCK_N, BLOCK_K, num_warps, num_stages); ``gated``: the gated MLP's
+    epilogue (1 SiLU, 2 GELU-tanh, libdevice's tanh); ``fold``: the output sent to the peer
+    rank too (``kernels.fold``)."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
+    if fold:
+        ptrs.update(Send=f"*{x}", SendFlag="*i64", Calls="*i64")
+    unfolded = {} if fold else dict(Send=None, SendFlag=None, Calls=None, stride_send=0)
     fp8 = w_scale > 0
     dot = m > 1 or fp8
-    consts = dict(HAS_BIAS=False, SPLIT=False, USE_DOT=dot, EVEN_K=True,
+    consts = dict(HAS_BIAS=False, SPLIT=split, USE_DOT=dot, EVEN_K=True,
                   BLOCK_M=16 if dot else 1, BLOCK_N=tile[0], BLOCK_K=tile[1],
-                  NUM_STAGES=tile[3], MERGE_S=1, CHAIN=True, W_SCALE=w_scale,
+                  NUM_STAGES=tile[3], MERGE_S=4 if split else 1, CHAIN=True, W_SCALE=w_scale,
                   DOT_PRECISION="ieee" if x == "fp32" else "tf32",
                   X_ROWS=x_rows or (triton.next_power_of_2(m) if fp8 else 16 if dot else 1),
-                  F16_DOT=fp8 and x != "fp32", GATED=gated, LIBDEVICE=True)  # fmt: skip
+                  F16_DOT=fp8 and x != "fp32", GATED=gated, LIBDEVICE=True, FOLD=fold,
+                  **unfolded)  # fmt: skip
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3])
+
+
+def norm_kernel(dt: str = "bf16", h: int = 4096, fold: bool = False, post: bool = False):
+    """``_rms_norm_kernel`` with the residual add as ``add_rms_norm`` launches it (``post``:
+    Gemma's ``norm_add_norm``, ``1 + w``); ``fold``: waiting for the peer rank's partial sums
+    and adding them first (``kernels.fold``)."""
+    ptrs = {"X": f"*{dt}", "Res": f"*{dt}", "WPost": f"*{dt}", "W": f"*{dt}", "Out": f"*{dt}",
+            "ResOut": f"*{dt}"}  # fmt: skip
+    unfolded = dict(Recv=None, RecvFlag=None, Calls=None, Status=None, stride_recv=0,
+                    spin_limit=0)  # fmt: skip
+    if fold:
+        ptrs.update(Recv=f"*{dt}", RecvFlag="*i64", Calls="*i64", Status="*i64",
+                    spin_limit="i64")  # fmt: skip
+        unfolded = {}
+    block = triton.next_power_of_2(h)
+    consts = dict(H=h, HAS_RES=True, POST_NORM=post, POST_F32=False, UNIT_OFFSET=post,
+                  BLOCK=block, CHAIN=True, FOLD=fold, **unfolded)  # fmt: skip
+    return _compile(norm._rms_norm_kernel, ptrs, consts, num_warps=max(1, min(16, block // 512)))
 
 
 def _tool(name: str) -> str:
@@ -282,7 +307,7 @@ def gemv_summary(w: str, tile=(8, 2048, 8, 3), **options) -> dict:
     size = {"fp8e4nv": 1, "fp32": 4}.get(w, 2)
     per_thread = tile[0] * tile[1] * size // (32 * tile[2])
     return {"shared": kernel.metadata.shared, **resources(kernel),
-            "loop": loop_mix(kernel, per_thread)}  # fmt: skip
+            "loop": loop_mix(kernel, per_thread), **ptx_sync(kernel)}  # fmt: skip
 
 
 def gluon_summary(kernel) -> dict:
@@ -424,6 +449,41 @@ GEMV_VARIANTS.update({
 })  # fmt: skip
 
 
+# the all-reduce of two ranks folded into the row-parallel GEMV and the norm after it
+# (``kernels.fold``): each GEMV at the tile of its unfolded twin (the name without ``fold-``),
+# whose streaming loop it must keep; the norms beside their unfolded twins
+_F = functools.partial(gemv_summary, fold=True)
+FOLD_VARIANTS = {
+    "fold-gemv-bf16-m1": lambda: _F("bf16", tile=(4, 2048, 4, 3)),
+    "fold-gemv-bf16-m8": lambda: _F("bf16", m=8, tile=(64, 256, 4, 3)),
+    "fold-gemv-bf16-m1-split": lambda: _F("bf16", tile=(4, 2048, 4, 3), split=True),
+    "fold-gemv-fp8-channel-m1": lambda: _F("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
+    "fold-norm-bf16": lambda: norm_summary(fold=True),
+    "fold-norm-post-bf16": lambda: norm_summary(h=3840, fold=True, post=True),
+    "norm-bf16": lambda: norm_summary(),
+    "norm-post-bf16": lambda: norm_summary(h=3840, post=True),
+}  # fmt: skip
+
+
+def norm_summary(**options) -> dict:
+    """``norm_kernel(**options)``'s resources, its PTX's atomics by kind (``atom.*``) and its
+    loads that skip L1 (``ld.global.cg``)."""
+    kernel = norm_kernel(**options)
+    return {"shared": kernel.metadata.shared, **resources(kernel), **ptx_sync(kernel)}
+
+
+def ptx_sync(kernel) -> dict:
+    """What a folded kernel's ordering rests on (``kernels.fold``), in its PTX: atomics and
+    reductions by opcode (``atom``/``red``; an atomic add of 0 whose result is read becomes an
+    ``ld...acquire``, counted with them), loads that skip L1 (``ld.global.cg``), ``bar.sync``s."""
+    ptx = kernel.asm["ptx"].split(".section")[0]
+    atoms = collections.Counter(
+        re.findall(r"\b((?:atom|red)\.[\w.]+|ld\.global\.[\w.]*acquire[\w.]*)", ptx)
+    )
+    return {"atom": dict(sorted(atoms.items())), "ld_cg": len(re.findall(r"ld\.global\.cg", ptx)),
+            "bar_sync": len(re.findall(r"bar\.sync|barrier\.sync", ptx))}  # fmt: skip
+
+
 def fp8_configs() -> dict:
     """The decode kernel over an fp8 cache (bf16 queries, head dim 128) at each tile config
     that ``kernels.bench --kv-dtype fp8 --sweep decode-config`` times."""
@@ -437,7 +497,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--fp8-configs"]:
         everything, prefixes = fp8_configs(), [""]
     else:
-        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS}
+        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS}
         prefixes = sys.argv[1:] or [""]
     for name in [v for v in everything if v.startswith(tuple(prefixes))]:
         kernel_or_row = everything[name]()
