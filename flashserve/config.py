@@ -21,7 +21,7 @@ _DTYPES = {
 }
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("fp8",)
-TP_ALL_REDUCES = ("nccl", "auto")  # tensor parallelism's all-reduce (engine/parallel.py)
+TP_ALL_REDUCES = ("nccl", "auto", "fused")  # tensor parallelism's all-reduce (engine/parallel.py)
 # the KV cache's dtype: the model's (auto, or the same dtype named), or fp8 (e4m3 pages with
 # per-token scales: kernels.kv_quant); a 16-bit cache under other activations is not a thing
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
@@ -79,7 +79,8 @@ class EngineConfig:
     # the ranks' all-reduce: nccl, or auto (torch's symmetric-memory one-shot kernel for small
     # bf16/fp32 messages where the ranks share a host and it passes its start-up check, NCCL
     # for the rest: flashserve.engine.parallel). nccl by default: auto measured only 2-2.5%
-    # faster decode on two H200s (docs/benchmarks/tensor-parallel.md)
+    # faster decode on two H200s (docs/benchmarks/tensor-parallel.md); fused (two ranks, not
+    # yet run on GPUs): decode steps' all-reduces folded into the kernels around them
     tp_all_reduce: str = "nccl"
     # fp8: the decoder's projections in float8 e4m3 with per-channel scales, quantized as the
     # weights load (an fp8 checkpoint is detected from its config.json without it); None:
@@ -136,6 +137,10 @@ class EngineConfig:
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise ValueError(f"tp_all_reduce must be one of {TP_ALL_REDUCES}, "
                              f"got {self.tp_all_reduce!r}")  # fmt: skip
+        if self.tp_all_reduce == "fused":  # refused where it cannot run, before any worker
+            from flashserve.engine.parallel import check_fused
+
+            check_fused(self)
         if self.tensor_parallel_size > 1 and self.is_cuda:
             self._check_gpus()
 

@@ -7,7 +7,8 @@ over NVLink (issue 18, docs/benchmarks/tensor-parallel.md).
 Each rank ``r`` (the other one ``p``) holds, in symmetric memory (mapped on ``p`` too):
 
 - ``recv [2, R, H]`` in the activations' dtype: slot ``k % 2`` receives ``p``'s partial sums
-  of call ``k`` (``R``: the most rows a folded call takes, ``H``: the hidden size);
+  of call ``k`` (``R``: the most rows a folded call takes, ``H``: the hidden size; rows
+  contiguous, the slots at any distance);
 - ``recv_flag [1]`` int64: ``p``'s GEMV programs add to it, after their stores of call ``k``,
   contributions that sum to ``UNIT`` a call (``send_contribution``): it reads at least
   ``(k + 1) * UNIT`` exactly when all of call ``k``'s stores have been released;
@@ -82,8 +83,11 @@ class AllReduceFold:
                              f"{tuple(self.send.shape)}, {tuple(self.recv.shape)}")  # fmt: skip
         if self.send.dtype != self.recv.dtype:
             raise ValueError(f"send {self.send.dtype} and recv {self.recv.dtype} differ")
-        if not (self.send.is_contiguous() and self.recv.is_contiguous()):
-            raise ValueError("send and recv must be contiguous")
+        h = self.recv.shape[2]
+        if self.send.stride() != self.recv.stride() or self.recv.stride()[1:] != (h, 1):
+            raise ValueError(f"send and recv must have contiguous rows [R, H] and the same "
+                             f"strides; got {self.send.stride()}, "
+                             f"{self.recv.stride()}")  # fmt: skip
         for name in ("send_flag", "recv_flag", "calls", "status"):
             t = getattr(self, name)
             if t.dtype != torch.int64 or t.numel() != 1:

@@ -332,3 +332,46 @@ def test_ranks_share_a_host_unless_torchrun_spreads_them(monkeypatch):
     assert _ranks_share_host(4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert not _ranks_share_host(4)  # unknown: NCCL, which works everywhere
+
+
+def test_the_fused_all_reduce_is_refused_where_it_cannot_run(monkeypatch, capsys):
+    """tp_all_reduce fused (``kernels.fold``): two ranks on one host's CUDA GPUs with the
+    triton backend, refused when the config is made (no worker started), in one line; never
+    NCCL in its place."""
+    from flashserve.cli.main import main
+    from flashserve.config import EngineConfig
+    from flashserve.engine.parallel import fused_refusal
+
+    assert fused_refusal("cuda", 2, "triton", True) is None
+    assert "needs CUDA GPUs" in fused_refusal("cpu", 2, "triton", True)
+    assert "exactly 2 ranks, not tensor_parallel_size 4" in fused_refusal("cuda", 4, "triton", True)
+    assert "triton attention backend" in fused_refusal("cuda:1", 2, "torch", True)
+    assert "span hosts" in fused_refusal("cuda", 2, "triton", False)
+    with pytest.raises(ValueError, match="tp_all_reduce fused needs CUDA GPUs"):
+        EngineConfig(device="cpu", tensor_parallel_size=2, tp_all_reduce="fused")
+    status = main(["generate", "hi", "--model", "dummy:tiny", "--device", "cpu",
+                   "--tensor-parallel-size", "2", "--tp-all-reduce", "fused"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2 and err.strip() == (
+        "flashserve generate: error: tp_all_reduce fused needs CUDA GPUs (each rank stores into "
+        "the other's memory)"
+    ), err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="exactly 2 ranks, not tensor_parallel_size 1"):
+        EngineConfig(device="cuda", tp_all_reduce="fused", block_size=16)
+    with pytest.raises(ValueError, match="triton attention backend"):
+        EngineConfig(device="cuda", tensor_parallel_size=2, tp_all_reduce="fused",
+                     attention_backend="torch", block_size=16)  # fmt: skip
+    config = EngineConfig(device="cuda", tensor_parallel_size=2, tp_all_reduce="fused",
+                          block_size=16)  # fmt: skip
+    assert config.tp_all_reduce == "fused"
+
+
+def test_a_group_without_the_fused_all_reduce_folds_nothing():
+    from flashserve.engine.parallel import TPGroup
+    from flashserve.models.sharding import SINGLE
+
+    group = TPGroup(0, 2, torch.device("cpu"))
+    assert group.fold_for(torch.zeros(1, 8)) is None
+    assert SINGLE.fold_for(torch.zeros(1, 8)) is None

@@ -215,3 +215,27 @@ def test_what_does_not_fit_the_slots_is_refused():
     with pytest.raises(ValueError, match="must be one int64"):
         AllReduceFold(folds[0].send, folds[0].send_flag.int(), folds[0].recv,
                       folds[0].recv_flag, folds[0].calls, folds[0].status)  # fmt: skip
+
+
+def test_the_engine_s_views_of_the_two_buffers():
+    """``parallel._Fused`` (here over two plain byte buffers instead of symmetric memory):
+    the flag at byte 0, each slot at a fixed offset whatever the hidden size and dtype (so
+    that a call never shares bytes with the one before), the kernels' sums through them."""
+    from flashserve.engine.parallel import _FOLD_HEADER_BYTES, FOLD_SLOT_BYTES, _Fused
+
+    bufs = [torch.zeros(_Fused.NBYTES, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    fused = [_Fused(bufs[r], bufs[1 - r]) for r in range(2)]
+    f32, f16 = fused[0].fold(24, torch.float32), fused[0].fold(40, torch.float16)
+    for f, size in ((f32, 4), (f16, 2)):
+        assert f.recv.data_ptr() == bufs[0].data_ptr() + _FOLD_HEADER_BYTES
+        assert f.recv.stride(0) * size == FOLD_SLOT_BYTES and f.recv.shape[1:] == (16, f.hidden)
+        assert f.send.data_ptr() == bufs[1].data_ptr() + _FOLD_HEADER_BYTES
+        assert f.recv_flag.data_ptr() == bufs[0].data_ptr()
+        assert f.send_flag.data_ptr() == bufs[1].data_ptr()
+    assert fused[0].fold(24, torch.float32) is f32  # made once
+    with pytest.raises(ValueError, match="do not fit its slots"):
+        fused[0].fold(FOLD_SLOT_BYTES // 16 // 4 + 1, torch.float32)
+    folds = [fused[r].fold(24, torch.float32) for r in range(2)]
+    for call in range(4):
+        got, want, unfolded, outs = one_call(folds, 3, 24, 20, torch.float32)
+        check_call(folds, call, got, want, unfolded, outs, torch.float32)

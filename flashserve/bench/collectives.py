@@ -11,6 +11,11 @@ processes, one per GPU, through the engine's own ``TPGroup`` (NCCL; gloo on the 
 captured in one CUDA graph and replayed, as the engine replays its decode graph, with nothing
 else on the GPUs. It reports rank 0's median time per step over the rounds.
 
+Under ``--tp-all-reduce fused`` the all-reduces after o_proj and down_proj of a step of up to
+``kernels.fold.ROWS`` tokens are not collectives (the GEMVs and norms around them do the sums:
+``kernels.fold``): the step's collectives are then the embeddings' all-reduce (NCCL), the
+gather and the broadcast, and what the folded sums cost shows in the step's "rest".
+
 Those processes start and end before the engine's own group exists (one torch.distributed
 group per process: ``TPGroup``), so ``bench decode`` measures them first.
 """
@@ -28,6 +33,7 @@ from flashserve.bench.hardware import timed
 from flashserve.engine.parallel import TIMEOUT, TPGroup, rank_device
 from flashserve.models.config import ModelConfig
 from flashserve.models.sharding import RankShape
+from kernels.fold import ROWS as FOLD_ROWS
 
 ROUNDS = 15  # timed rounds; each replays the step STEPS times
 STEPS = 20
@@ -43,15 +49,23 @@ class StepCollectives:
     vocab_rows: int  # a rank's logits columns: ceil(V / N)
     dtype: torch.dtype  # the activations' (the logits are float32)
     size: int
+    folded: bool = False  # tp_all_reduce fused: the layers' all-reduces of decode sizes folded
 
     @classmethod
-    def of(cls, config: ModelConfig, size: int, dtype: torch.dtype) -> StepCollectives:
+    def of(cls, config: ModelConfig, size: int, dtype: torch.dtype,
+           all_reduce: str = "nccl") -> StepCollectives:  # fmt: skip
         rows = RankShape(config, 0, size).vocab_rows
-        return cls(config.hidden_size, config.num_hidden_layers, rows, dtype, size)
+        return cls(config.hidden_size, config.num_hidden_layers, rows, dtype, size,
+                   all_reduce == "fused")  # fmt: skip
 
     @property
     def all_reduces(self) -> int:
         return 2 * self.layers + 1
+
+    def all_reduces_at(self, batch: int) -> int:
+        """The step's all-reduce collectives at ``batch``: the embeddings' alone where the
+        layers' are folded (``folded``, batch up to ``kernels.fold.ROWS``)."""
+        return 1 if self.folded and batch <= FOLD_ROWS else self.all_reduces
 
 
 def time_step_collectives(
@@ -94,7 +108,9 @@ def _rank_main(rank: int, device: str, shape: StepCollectives, batches: list[int
     try:
         store = dist.TCPStore("127.0.0.1", port, shape.size + 1, is_master=False,
                               timeout=TIMEOUT)  # fmt: skip
-        group = TPGroup.join(store, rank, shape.size, rank_device(device, rank), all_reduce)
+        # fused: what is left a collective goes through NCCL (no symmetric memory needed)
+        setting = "nccl" if all_reduce == "fused" else all_reduce
+        group = TPGroup.join(store, rank, shape.size, rank_device(device, rank), setting)
         times = {b: _time_batch(group, shape, b, rounds, steps) for b in batches}
         if rank == 0:
             results.put(("ok", times))
@@ -117,7 +133,7 @@ def _time_batch(group: TPGroup, shape: StepCollectives, batch: int, rounds: int,
     ids = torch.zeros(batch, dtype=torch.int64, device=dev)
 
     def step() -> None:
-        for _ in range(shape.all_reduces):
+        for _ in range(shape.all_reduces_at(batch)):
             group.all_reduce(x)
         group.gather_last_dim(logits)
         group.broadcast_(ids)

@@ -180,7 +180,8 @@ def _time_collectives(config, args: argparse.Namespace) -> dict[int, float]:
     from flashserve.bench.collectives import StepCollectives, time_step_collectives
     from flashserve.loaders.load import read_model_config
 
-    shape = StepCollectives.of(read_model_config(config.model), size, config.torch_dtype)
+    shape = StepCollectives.of(read_model_config(config.model), size, config.torch_dtype,
+                               config.tp_all_reduce)  # fmt: skip
     return time_step_collectives(config.device, shape, sorted(set(args.batch)),
                                  config.tp_all_reduce)  # fmt: skip
 

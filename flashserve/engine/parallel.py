@@ -15,13 +15,18 @@ rank 0. Collectives time out after ``TIMEOUT`` (a rank that is alive but stuck).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from kernels.fold import ROWS as FOLD_ROWS
+from kernels.fold import AllReduceFold
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,15 @@ KEY_PREFIX = "flashserve/"  # our keys in the store (torchrun's agent keeps its 
 # Simple 1.93), one-shot 0.41 ms, at 8 KiB and 64 KiB alike (docs/benchmarks/tensor-parallel.md);
 # larger messages were not measured and stay with NCCL.
 ONE_SHOT_MAX_BYTES = 64 << 10
+# With tp_all_reduce fused (two ranks on one host), the all-reduces after o_proj and down_proj
+# of steps of up to kernels.fold.ROWS tokens are folded into those GEMVs and the norms after
+# them (kernels.fold: no collective launched); the rest (the embeddings' all-reduce, larger
+# steps) go through NCCL. Each rank's symmetric buffer: its flag, then two slots of this many
+# bytes, at fixed offsets whatever the hidden size and dtype (so that consecutive calls never
+# share bytes): 16 rows of up to 16,384 float32 / 32,768 bf16 columns.
+FOLD_SLOT_BYTES = 1 << 20
+_FOLD_HEADER_BYTES = 4096  # the flag (int64) at offset 0
+CHECK_SPINS = 1 << 24  # the start-up check's norms wait at most this many reads of the flag
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,7 @@ class TPGroup:
         self.size = size
         self.device = device
         self.one_shot: _OneShot | None = None  # small all-reduces (tp_all_reduce auto)
+        self.fused: _Fused | None = None  # decode steps' folded all-reduces (fused)
 
     @classmethod
     def join(cls, store: dist.Store, rank: int, size: int, device: str,
@@ -111,6 +126,8 @@ class TPGroup:
         group.warm_up()
         if dev.type == "cuda":  # the ranks agree, whatever each one's reason
             group.one_shot = _OneShot.agreed(group, all_reduce)
+        if all_reduce == "fused":
+            group.fused = _Fused.agreed(group)
         logger.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, dev, backend)
         return group
 
@@ -131,6 +148,14 @@ class TPGroup:
         if self.one_shot is None or not self.one_shot.all_reduce(x):
             dist.all_reduce(x)
         return x
+
+    def fold_for(self, x: torch.Tensor) -> AllReduceFold | None:
+        """The folded all-reduce for a step whose activations look like ``x`` [T, hidden]
+        (tp_all_reduce fused, T up to ``kernels.fold.ROWS``); None: ``all_reduce`` it is.
+        Every rank decides alike: the same step, the same shapes."""
+        if self.fused is None or x.dim() != 2 or not 1 <= x.shape[0] <= FOLD_ROWS:
+            return None
+        return self.fused.fold(x.shape[1], x.dtype)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """All-gather (every rank gets the whole: NCCL's all-gather is captured in a CUDA
@@ -156,6 +181,7 @@ class TPGroup:
     def destroy(self) -> None:
         """Leave the group: its threads (gloo's) end here, while Python still runs."""
         self.one_shot = None
+        self.fused = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -185,6 +211,30 @@ def one_shot_refusal(ranks_share_host: bool, used_before: bool, has_op: bool) ->
     if not has_op:
         return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy_out"
     return None
+
+
+def fused_refusal(device: str, size: int, backend: str, ranks_share_host: bool) -> str | None:
+    """Why tp_all_reduce fused cannot run with these settings (checked when the config is
+    made, before any worker starts); None when it can be tried. ``TPGroup.join`` then sets it
+    up on every rank or fails on every rank: it is never swapped for NCCL silently."""
+    if not device.startswith("cuda"):
+        return "tp_all_reduce fused needs CUDA GPUs (each rank stores into the other's memory)"
+    if size != 2:
+        return f"tp_all_reduce fused takes exactly 2 ranks, not tensor_parallel_size {size}"
+    if backend != "triton":
+        return "tp_all_reduce fused needs the triton attention backend (its kernels do the sums)"
+    if not ranks_share_host:
+        return "tp_all_reduce fused needs both ranks on one host; these span hosts"
+    return None
+
+
+def check_fused(config) -> None:
+    """ValueError naming why ``config`` (an ``EngineConfig`` with tp_all_reduce fused) cannot
+    fold its all-reduces (``fused_refusal``)."""
+    why = fused_refusal(config.device, config.tensor_parallel_size, config.attention_backend,
+                        _ranks_share_host(config.tensor_parallel_size))  # fmt: skip
+    if why:
+        raise ValueError(why)
 
 
 def _ranks_share_host(size: int) -> bool:
@@ -262,3 +312,107 @@ class _OneShot:
         buf = self.buf[:nbytes].view(x.dtype).view(x.shape)
         self.op(buf, x, "sum", self.group_name, x)
         return True
+
+
+class _Fused:
+    """tp_all_reduce fused on this rank: its symmetric buffer (the flag the other rank's GEMVs
+    advance, two receive slots), the other rank's mapped here, the call counter and status;
+    ``fold`` hands the kernels their views (``kernels.fold.AllReduceFold``) for a hidden size
+    and dtype. Set up by ``agreed`` on both ranks or on none."""
+
+    NBYTES = _FOLD_HEADER_BYTES + 2 * FOLD_SLOT_BYTES  # each rank's buffer
+
+    def __init__(self, buf: torch.Tensor, peer_buf: torch.Tensor, handle=None) -> None:
+        """``buf``: this rank's buffer (``NBYTES`` uint8, zeroed), ``peer_buf``: the other's
+        as mapped here; ``handle`` keeps the rendezvous alive."""
+        self.buf, self.peer_buf, self.handle = buf, peer_buf, handle
+        self.calls = torch.zeros(1, dtype=torch.int64, device=buf.device)
+        self.status = torch.zeros(1, dtype=torch.int64, device=buf.device)
+        self.folds: dict[tuple[int, torch.dtype], AllReduceFold] = {}
+
+    @classmethod
+    def rendezvous(cls, group: TPGroup) -> _Fused:
+        """Allocate this rank's buffer in symmetric memory and map the other's (collective)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        _OneShot.used_in_process = True  # one rendezvous per process: one_shot_refusal says why
+        buf = symm_mem.empty(cls.NBYTES, dtype=torch.uint8, device=group.device)
+        handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+        buf.zero_()  # the flag at 0 before the other rank may add to it (a vote follows)
+        peer_buf = handle.get_buffer(1 - group.rank, (cls.NBYTES,), torch.uint8, 0)
+        torch.cuda.synchronize(group.device)
+        return cls(buf, peer_buf, handle)
+
+    @classmethod
+    def agreed(cls, group: TPGroup) -> _Fused:
+        """The folded all-reduce on both ranks, checked (exact sums against NCCL's); a
+        RuntimeError on both when either cannot: never NCCL in its place."""
+        why = fused_refusal(group.device.type, group.size, "triton", _ranks_share_host(group.size))
+        if why is None and _OneShot.used_in_process:
+            why = ("this process already made a symmetric-memory rendezvous (torch numbers "
+                   "them per process: one_shot_refusal)")  # fmt: skip
+        if why is None and importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+            why = f"torch {torch.__version__} has no symmetric memory"
+        fused = None
+        if group.min_int(0 if why else 1) == 1:  # the votes: every rank takes the same path
+            try:
+                fused = cls.rendezvous(group)
+            except Exception as exc:  # peer access refused, no NVLink/P2P
+                why = f"{type(exc).__name__}: {exc}"
+            if group.min_int(0 if why else 1) == 1:  # both flags zeroed before a GEMV adds
+                try:
+                    why = fused.check(group)
+                except Exception as exc:  # a kernel that fails
+                    why = f"{type(exc).__name__}: {exc}"
+        if group.min_int(0 if why else 1) == 0:
+            raise RuntimeError(f"tp_all_reduce fused cannot run: {why or 'the other rank failed'}")
+        logger.info("all-reduce: folded into the row-parallel GEMVs and the norms after them "
+                    "for steps of up to %d tokens, NCCL for the rest", FOLD_ROWS)  # fmt: skip
+        return fused
+
+    def fold(self, hidden: int, dtype: torch.dtype) -> AllReduceFold:
+        """The kernels' views for activations of ``hidden`` columns in ``dtype``: each slot
+        ``[ROWS, hidden]`` at its fixed offset (ValueError when it does not fit)."""
+        key = (hidden, dtype)
+        if key not in self.folds:
+            size = torch.finfo(dtype).bits // 8
+            if FOLD_ROWS * hidden * size > FOLD_SLOT_BYTES:
+                raise ValueError(f"tp_all_reduce fused: {FOLD_ROWS} rows of {hidden} {dtype} "
+                                 f"do not fit its slots of {FOLD_SLOT_BYTES} bytes")  # fmt: skip
+            views = [self._slots(b, hidden, dtype) for b in (self.buf, self.peer_buf)]
+            flags = [b[:8].view(torch.int64) for b in (self.buf, self.peer_buf)]
+            self.folds[key] = AllReduceFold(send=views[1], send_flag=flags[1], recv=views[0],
+                                            recv_flag=flags[0], calls=self.calls,
+                                            status=self.status)  # fmt: skip
+        return self.folds[key]
+
+    @staticmethod
+    def _slots(buf: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[2, ROWS, hidden]`` of ``dtype`` over the two slots of ``buf`` (bytes)."""
+        slots = buf[_FOLD_HEADER_BYTES:].view(2, FOLD_SLOT_BYTES)
+        used = FOLD_ROWS * hidden * (torch.finfo(dtype).bits // 8)
+        return slots[:, :used].view(dtype).view(2, FOLD_ROWS, hidden)
+
+    def check(self, group: TPGroup) -> str | None:
+        """None when three folded calls (both slots, one reused) give NCCL's sums exactly
+        (small integers: exact in any order); else what went wrong."""
+        from kernels.gemv import linear_small_m
+        from kernels.norm import add_rms_norm
+
+        dev, hidden = group.device, 256
+        # a stuck rank shows as a status here within seconds, not minutes
+        fold = dataclasses.replace(self.fold(hidden, torch.float32), spin_limit=CHECK_SPINS)
+        w = (torch.arange(hidden * 32, device=dev) % 5 - 2).float().view(hidden, 32)
+        ones = torch.ones(hidden, device=dev)
+        for call in range(3):
+            x = (torch.arange(2 * 32, device=dev) % 7 + group.rank + call).float().view(2, 32)
+            res = torch.full((2, hidden), float(call), device=dev)
+            out = linear_small_m(x, w, fold=fold, chain=False)
+            _, summed = add_rms_norm(out, res, ones, 1e-6, fold=fold, chain=False)
+            want = out.clone()
+            dist.all_reduce(want)
+            if not torch.equal(summed, res + want):
+                return f"call {call}: the folded sums differ from NCCL's"
+        if fold.failed():
+            return f"a norm gave up waiting for the flag at {fold.failed()}"
+        return None

@@ -22,6 +22,7 @@ Hugging Face does; the Triton one fuses them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -45,6 +46,9 @@ from flashserve.models.weights import (
 )
 from kernels.quant import quantize_blocks, quantize_per_channel
 
+if TYPE_CHECKING:  # the Triton backend's; the model only passes it on
+    from kernels.fold import AllReduceFold
+
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin tables [P, R/2]
@@ -66,14 +70,19 @@ class RMSNorm(nn.Module):
         self.kwargs = {"unit_offset": True} if unit_offset else {}
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, post: RMSNorm | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        post: RMSNorm | None = None,
+        fold: AllReduceFold | None = None,  # x is this rank's part: the other's added first
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H] (and the new residual)
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps, **self.kwargs)
+        kwargs = self.kwargs if fold is None else {**self.kwargs, "fold": fold}
         if post is not None:  # the same eps and form: both come from the model's config
             return self.ops.norm_add_norm(x, residual, post.weight, self.weight, self.eps,
-                                          **self.kwargs)  # fmt: skip
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **self.kwargs)
+                                          **kwargs)  # fmt: skip
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **kwargs)
 
 
 def _norm(config: ModelConfig, backend: AttentionBackend, size: int | None = None) -> RMSNorm:
@@ -118,12 +127,13 @@ class Attention(nn.Module):
         ropes: list[Rope],  # the model's tables; this layer reads ropes[self.rope_table]
         kv_cache: tuple[torch.Tensor, ...],  # k, v [N, BS, Hkv, D] (+ k/v scales: fp8)
         meta: AttentionMetadata,
+        fold: AllReduceFold | None = None,  # o_proj's output sent to the other rank too
     ) -> torch.Tensor:  # [T, hidden]
         qkv = self.qkv_proj(x)
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         rope = ropes[self.rope_table]
         out = self.attn(qkv, positions, rope, kv_cache, meta, *norms)  # [T, Hq, D]
-        return self.o_proj(out.view(x.shape[0], -1))
+        return self.o_proj(out.view(x.shape[0], -1), fold)
 
 
 class MLP(nn.Module):
@@ -141,10 +151,10 @@ class MLP(nn.Module):
         self.act = config.hidden_act  # "silu" or "gelu_tanh" (ModelConfig checks)
         self.ops = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        g = self.gate_up_proj  # [2I, hidden], gate rows first
+    def forward(self, x: torch.Tensor, fold: AllReduceFold | None = None) -> torch.Tensor:
+        g = self.gate_up_proj  # [2I, hidden], gate rows first; x [T, hidden]
         h = self.ops.linear_act_and_mul(x, g.weight, g.bias, g.weight_scale, self.act)  # [T, I]
-        return self.down_proj(h)
+        return self.down_proj(h, fold)  # [T, hidden] (fold: down_proj's output sent too)
 
 
 class DecoderLayer(nn.Module):
@@ -155,7 +165,15 @@ class DecoderLayer(nn.Module):
 
     Each output norm runs in the kernel of the input norm after it (``RMSNorm``'s ``post``):
     the layer returns its MLP output un-normed and ``output_norm`` names the norm the next
-    layer (or the model's final norm) must apply to it first."""
+    layer (or the model's final norm) must apply to it first.
+
+    Under tensor parallelism o_proj's and down_proj's outputs are this rank's parts of sums
+    over the ranks: ``tp.all_reduce`` sums them after the layer, or, with ``fold``
+    (``TPComm.fold_for``: decode-sized steps, ``--tp-all-reduce fused``), the GEMV sends its
+    part to the other rank and the norm that reads the output next (this layer's second norm,
+    the next layer's first, the model's final one) adds the other's: every folded GEMV is
+    followed by exactly one norm given the same ``fold``. The output norm (``post``) applies
+    to the whole sum."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
                  fp8: str | None = None, *, tp: TPComm = SINGLE):  # fmt: skip
@@ -185,18 +203,26 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, ...],  # k, v [N, BS, Hkv, D] (+ k/v scales: fp8)
         meta: AttentionMetadata,
         post: RMSNorm | None = None,  # the previous layer's ``output_norm``, for x
+        fold: AllReduceFold | None = None,  # the step's folded all-reduce (class doc)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
-        if residual is None:
+        if residual is None:  # the embeddings: all-reduced (vocabulary-parallel), not folded
             x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual, post)
-        x = self.tp.all_reduce(self.self_attn(x, positions, ropes, kv_cache, meta))
+        else:  # the previous layer's down_proj output
+            x, residual = self.input_layernorm(x, residual, post, fold)
+        x = self._summed(self.self_attn(x, positions, ropes, kv_cache, meta, fold), fold)
         if self.sandwich:  # post_attention_layernorm, the add, pre_feedforward_layernorm
             x, residual = self.pre_feedforward_layernorm(x, residual,
-                                                         self.post_attention_layernorm)  # fmt: skip
-            return self.tp.all_reduce(self.mlp(x)), residual  # post_feedforward: the next norm's
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.tp.all_reduce(self.mlp(x)), residual
+                                                         self.post_attention_layernorm,
+                                                         fold)  # fmt: skip
+            # post_feedforward_layernorm: the next norm's
+            return self._summed(self.mlp(x, fold), fold), residual
+        x, residual = self.post_attention_layernorm(x, residual, None, fold)
+        return self._summed(self.mlp(x, fold), fold), residual
+
+    def _summed(self, x: torch.Tensor, fold: AllReduceFold | None) -> torch.Tensor:
+        """A row-parallel layer's output summed over the ranks now, or (``fold``) left to
+        the norm that reads it."""
+        return x if fold is not None else self.tp.all_reduce(x)
 
 
 class DecoderModel(nn.Module):
@@ -251,10 +277,11 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         ropes = [(r.cos, r.sin) for r in self.model.rotary_embeddings()]
         x, residual, post = self.embed(input_ids), None, None  # [T, hidden]
+        fold = self.tp.fold_for(x)  # decode-sized steps under --tp-all-reduce fused
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, ropes, kv_cache, meta, post)
+            x, residual = layer(x, residual, positions, ropes, kv_cache, meta, post, fold)
             post = layer.output_norm
-        return self.model.norm(x, residual, post)[0]
+        return self.model.norm(x, residual, post, fold)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """The token embeddings, times ``embed_scale`` rounded to their dtype first (as

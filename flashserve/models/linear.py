@@ -76,7 +76,11 @@ class Linear(nn.Module):
             return (-(-self.out_features // FP8_BLOCK), -(-self.in_features // FP8_BLOCK))
         raise ValueError(f"fp8 must be None, {CHANNEL} or {BLOCK}, not {self.fp8!r}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+    def forward(self, x: torch.Tensor, fold=None) -> torch.Tensor:  # [T, K] -> [T, N]
+        """``fold`` (a row-parallel layer's folded all-reduce, ``kernels.fold``): the backend
+        sends the output to the other rank too; passed only when set."""
+        if fold is not None:
+            return self.ops.linear(x, self.weight, self.bias, self.weight_scale, fold=fold)
         return self.ops.linear(x, self.weight, self.bias, self.weight_scale)
 
     def extra_repr(self) -> str:

@@ -10,7 +10,8 @@ A tensor of the model is one of:
   ranks). A fused tensor is cut part by part, the rank's pieces concatenated;
 - **row-parallel** (``o_proj``, ``down_proj``): each rank holds columns of the input
   dimension, the same ranges as the column-parallel layer before it; the outputs of the ranks
-  are summed (all-reduce). A bias is added once: rank 0 holds it, the others zeros;
+  are summed (all-reduce; with ``TPComm.fold_for`` in the layer's GEMV and the norm after it).
+  A bias is added once: rank 0 holds it, the others zeros;
 - **vocabulary-parallel** (``embed_tokens``, ``lm_head``): each rank holds ``ceil(V / N)``
   rows, the last rank's padded with zeros. An embedding lookup gives zeros for ids outside
   the rank's rows, then sums over ranks; the LM head's logits are gathered and the padding
@@ -36,11 +37,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from flashserve.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kernels.fold import AllReduceFold
 
 SCALE_BLOCK = 128  # rows and columns of one float8 block scale
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
@@ -59,6 +63,11 @@ class TPComm(Protocol):
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` on each rank -> ``[..., size * n]``, rank 0's columns first."""
 
+    def fold_for(self, x: torch.Tensor) -> AllReduceFold | None:
+        """The all-reduce folded into the row-parallel GEMV and the norm after it
+        (``kernels.fold``) for a step whose activations look like ``x`` [T, hidden], where
+        this step takes it; None: ``all_reduce`` after the layer."""
+
     def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` into every rank's ``x``, in place."""
 
@@ -76,6 +85,9 @@ class SingleRank:
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def fold_for(self, x: torch.Tensor) -> None:
+        return None
 
     def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
         return x
