@@ -65,10 +65,10 @@ class EngineConfig:
     # early, waiting in-kernel for the one before it; sm_90+ only); None: on with triton
     pdl_chain: bool | None = None
     # the prefill kernel's path (kernels.prefill_paths.PATHS): portable (FlashAttention-2, every
-    # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens,
-    # bf16/fp16 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, plus
-    # Triton 3.6, bf16/fp16 models, no windows or soft-caps) or auto (call by call: gluon where
-    # it can run, else hopper where it can, else portable)
+    # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens;
+    # bf16/fp16/fp8 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, plus
+    # Triton 3.6, bf16/fp16 models and caches, no windows or soft-caps) or auto (call by call:
+    # gluon where it can run, else hopper where it can, else portable)
     prefill_path: str = "auto"
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt
@@ -188,9 +188,9 @@ class EngineConfig:
         if self.block_size < HOPPER_MIN_PAGE:  # a KV tile is one page's run
             raise ValueError(f"prefill_path {path} needs block_size >= {HOPPER_MIN_PAGE}, "
                              f"got {self.block_size}")  # fmt: skip
-        if self.kv_cache_dtype == "fp8":
-            raise ValueError(f"prefill_path {path} takes bf16/fp16 KV caches, not fp8")
         if path == "gluon":
+            if self.kv_cache_dtype == "fp8":  # the Hopper path takes fp8 caches, Gluon not
+                raise ValueError("prefill_path gluon takes bf16/fp16 KV caches, not fp8")
             if self.torch_dtype == torch.float32:
                 raise ValueError("prefill_path gluon takes bf16/fp16 models, not float32")
             import triton

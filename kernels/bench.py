@@ -10,7 +10,8 @@ on paged KV (page 256). Prefill: causal, batch 1, 4K and 16K tokens, beside SDPA
 FlashAttention-2 and cuDNN backends: ours portable at pages 16, 64 and 128, the Hopper path
 (``path="hopper"``: TMA copies, persistent programs) and the Gluon kernel (``path="gluon"``:
 FlashAttention-3 style, sm_90 only) at pages 64 and 128 (``--batches "" --prefill
-4096,16384``: the prefill table alone). The device-to-device copy bandwidth is
+4096,16384``: the prefill table alone; with ``--kv-dtype fp8`` the Gluon kernel's columns stay
+empty: it takes bf16 caches only). The device-to-device copy bandwidth is
 measured in the same run and is the 100% of the decode table's % columns (GB/s: KV bytes read
 per second). ``--sweep`` times tuning variants instead. ``--kv-dtype fp8`` runs our decode and
 prefill over an fp8 cache (e4m3 pages and their bf16 scales, ``kernels.kv_quant``) instead of
@@ -389,13 +390,13 @@ PREFILL_COLUMNS = (  # name, page, path: the portable kernel, the Hopper path, t
 
 def prefill_table(sizes, kv="bf16") -> list[dict]:
     """Per prompt length: ours per (page, path) of PREFILL_COLUMNS, SDPA's backends. The
-    Hopper path and the Gluon kernel take bf16 caches only (``hopper_refusal``,
-    ``gluon_refusal``): their columns stay empty with fp8."""
+    Gluon kernel takes bf16 caches only (``gluon_refusal``): its columns stay empty with fp8,
+    where the portable kernel and the Hopper path read e4m3 pages and their scales."""
     rows = []
     for n in sizes:
         r = {"tokens": n, "kv_dtype": kv}
         for name, page, path in PREFILL_COLUMNS:
-            no_fp8 = path in ("hopper", "gluon") and kv == "fp8"
+            no_fp8 = path == "gluon" and kv == "fp8"
             us = None if no_fp8 else attempt(time_prefill_ours, n, page, kv=kv, path=path)
             r[f"{name}_us"] = us
             r[f"{name}_tflops"] = prefill_flops(n) / us / 1e6 if us else None
@@ -492,6 +493,10 @@ HOPPER_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages, progr
     256: [(128, 64, 8, 2, 1), (128, 64, 8, 2, 0), (64, 64, 4, 2, 1), (64, 64, 4, 3, 1),
           (128, 32, 8, 3, 1)],
 }  # fmt: skip
+# over an fp8 cache (--kv-dtype fp8) also deeper pipelines, which only e4m3 stages fit beside the
+# query tile (d128, (128, 128, 8, 4): 198,656 bytes of shared memory; sm90_compile)
+HOPPER_FP8_CONFIGS = {128: [(128, 128, 8, 4, 1)], 64: [], 256: [(128, 64, 8, 3, 1),
+                                                               (128, 64, 8, 4, 1)]}  # fmt: skip
 HOPPER_SWEEP_POINTS = [(16384, 128, 128), (16384, 128, 64), (4096, 128, 128), (4096, 128, 64),
                        (4096, 64, 64), (4096, 256, 64)]  # (tokens, head dim, page)  # fmt: skip
 GLUON_CONFIGS = {  # head dim: [GluonConfig], the default first (sm90_compile: none spills but
@@ -515,12 +520,13 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
     page: the layout of a head-major cache) in pages of 16 or 128 tokens or wholly contiguous
     (SDPA's layout); splits: split counts (at most two waves of 3 programs per SM); page: page
     sizes; prefill: tile configs (TFLOP/s in "tflops"); hopper: the Hopper prefill path's tile
-    configs and persistent programs per SM (``HOPPER_CONFIGS``) per (tokens, head dim, page),
-    the portable kernel's default beside them (variant "portable"); gluon: the Gluon kernel's
-    ``GluonConfig`` values (``GLUON_CONFIGS``, as tuples) at the same points, the Hopper
-    path's default beside them (variant "hopper"). ``points``: (batch, context) pairs for the
-    decode sweeps. ``kv``: our cache's dtype in every variant. Variants that lost (K/V load
-    hints, loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
+    configs and persistent programs per SM (``HOPPER_CONFIGS``, and ``HOPPER_FP8_CONFIGS``
+    over an fp8 cache) per (tokens, head dim, page), the portable kernel's default beside them
+    (variant "portable"); gluon: the Gluon kernel's ``GluonConfig`` values (``GLUON_CONFIGS``,
+    as tuples) at the same points, the Hopper path's default beside them (variant "hopper").
+    ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's dtype in
+    every variant. Variants that lost (K/V load hints, loop variants, the combine kernel):
+    docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
 
@@ -579,7 +585,8 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
     if "hopper" in which:
         for n, d, page in HOPPER_SWEEP_POINTS if not SMOKE else [(256, 64, 64)]:
             variants = [("portable", {"path": "portable"})]
-            variants += [(cfg, {"path": "hopper", "config": cfg}) for cfg in HOPPER_CONFIGS[d]
+            cfgs = HOPPER_CONFIGS[d] + (HOPPER_FP8_CONFIGS[d] if kv == "fp8" else [])
+            variants += [(cfg, {"path": "hopper", "config": cfg}) for cfg in cfgs
                          if cfg[1] <= page]  # fmt: skip
             for name, kw in variants:
                 us = attempt(time_prefill_ours, n, page, d, kv=kv, **kw)

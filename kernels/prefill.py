@@ -45,8 +45,13 @@ P - 1 - p of odd ones) so that every program gets about the same number of causa
 against 12% dealing round-robin and 0.9% for the hardware's greedy order of a plain grid).
 Triton 3.6 does not warp-specialize this loop on sm_90 (``tl.range(warp_specialize=True)``
 is ignored with 8 warps and fails to compile with 4), so the overlap of copies and math comes
-from software pipelining (``num_stages``). fp8 caches and head dims other than 64, 128, 256
-stay on the portable path.
+from software pipelining (``num_stages``). Head dims other than 64, 128, 256 stay on the
+portable path. Over an fp8 cache (``FP8`` and ``TMA``) the copies bring e4m3 tiles (a
+descriptor over the e4m3 pool, the same view: a page's rows are ``Hkv * D`` bytes, 16-byte
+aligned) and the tile's scales load beside them, one contiguous vector of ``BLOCK_N`` per pool
+(a head's scales of a page are contiguous: ``[N, Hkv, PAGE]``), pipelined with the copies;
+conversion and scaling are the portable FP8 code's, and in the masked tiles the dead slots'
+scales are zeroed with their V rows (either may be NaN).
 
 ``path="gluon"`` (and ``"auto"`` where it can run: ``_auto_gluon``) runs a separate kernel
 written in Gluon, FlashAttention-3 style (``kernels.prefill_gluon``): a producer warp, two
@@ -88,7 +93,8 @@ _V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals
 @triton.jit
 def _tile_row(bt, start, hi, PAGE: tl.constexpr):
     """TMA: the row of the ``[N * PAGE, Hkv * D]`` pool view where the KV tile at ``start``
-    begins (0 from ``hi`` on: no block-table entry past the loop is read)."""
+    begins (0 from ``hi`` on: no block-table entry past the loop is read); its page is
+    ``row // PAGE``."""
     return tl.load(bt + start // PAGE, mask=start < hi, other=0) * PAGE + start % PAGE
 
 
@@ -133,7 +139,6 @@ def _prefill_inner(
     on its left edge; keys left of ``win_lo`` are not loaded), otherwise every key is visible.
     SOFTCAP: scores soft-capped (``softcap_log2``). FP8: e4m3 K/V with per-token scales;
     ``acc`` then carries a factor ``V_SCALE_SHIFT``. TMA: tiles by bulk copies (module doc)."""
-    tl.static_assert(not (TMA and FP8), "fp8 caches take the portable path")
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -145,15 +150,16 @@ def _prefill_inner(
         if MASKED and WINDOWED:
             live = live & (kv >= win_lo)
         if TMA:  # one page's run of BLOCK_N rows: two bulk copies, no per-token addresses
-            # The block-table entry comes a tile ahead: with the copy's address loaded in the
-            # same iteration, Triton 3.6's pipeliner keeps one copy in flight (2 buffers at any
-            # num_stages); from the previous iteration's load, num_stages - 1 (sm90_compile).
+            # (FP8: the run's scales, one contiguous vector each, below). The block-table entry
+            # comes a tile ahead: with the copy's address loaded in the same iteration, Triton
+            # 3.6's pipeliner keeps one copy in flight (2 buffers at any num_stages); from the
+            # previous iteration's load, num_stages - 1 (sm90_compile).
             row = next_row
             next_row = _tile_row(bt, start + BLOCK_N, hi, PAGE)
             k = K.load([row, head_off])  # [BN, BD]
             v = V.load([row, head_off])
-            if MASKED:  # unmaskable copies: a dead slot may hold NaN, and 0 * NaN is NaN
-                v = tl.where(live[:, None], v, 0.0)
+            if FP8:
+                page = row // PAGE
         elif PAGE >= BLOCK_N:  # the whole tile lies in one page (one holding a key >= win_lo)
             page = tl.load(bt + start // PAGE).to(tl.int64)
             row = page * stride_kb + (kv % PAGE) * stride_kt + head_off  # [BN]
@@ -182,6 +188,7 @@ def _prefill_inner(
                 k = tl.load(K + ptrs, mask=d_mask[None, :], other=0.0)
                 v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
         if FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
+            # TMA: copied ahead with the tiles (cp.async; no synchronous load in the loop)
             srow = page * stride_sb + s_head + kv % PAGE  # [BN]
             if PAGE < BLOCK_N:
                 srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
@@ -194,6 +201,8 @@ def _prefill_inner(
                 v_sc = tl.where(live, v_sc, 0.0)
             k = k.to(q.dtype)  # exact
             v = v.to(q.dtype)
+        if TMA and MASKED:  # unmaskable copies: a dead slot may hold NaN, and 0 * NaN is NaN
+            v = tl.where(live[:, None], v, 0.0)  # (its K columns and scales are masked too)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
         if FP8:
             s = s * k_sc[None, :]
@@ -424,13 +433,18 @@ HOPPER_SMEM = 225 << 10  # H100: 227 KiB of shared memory per block, less barrie
 
 
 def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs_per_sm) of the Hopper path. Not yet
-    measured (no GPU in the session that built it): the portable sweep's tiles with the KV
-    tile cut to the page (a tile is one page's run), as many copy stages as shared memory holds
-    beside the query tile (up to 4: at d128, (128, 128) gets 3 stages in 230,416 bytes and
-    (128, 64) 4 in 164,888, sm90_compile), one persistent program per SM (at d128 its 8 warps
-    of 207-240 registers fill most of the register file; at d64, 128 registers and 83 KB,
-    two would fit). ``python -m kernels.bench --sweep hopper`` times the alternatives."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs_per_sm) of the Hopper path: the
+    portable sweep's tiles with the KV tile cut to the page (a tile is one page's run), as
+    many copy stages as shared memory holds beside the query tile (up to 4: at d128, (128,
+    128) gets 3 stages in 230,416 bytes and (128, 64) 4 in 164,888, sm90_compile), one
+    persistent program per SM (at d128 its 8 warps of 207-240 registers fill most of the
+    register file; at d64, 128 registers and 83 KB, two would fit). bf16 on the H100
+    (2026-11-27): 480 / 512 TFLOP/s at 4K / 16K with 128-token pages. An fp8 cache takes the
+    same config, not yet timed: its stages are half the bytes, plus one K/V tile converted to
+    the queries' dtype (164,880 bytes at d128, page 128), but more stages buy no registers
+    (255 at d128 with 128-key tiles; Triton 3.9 spills in the KV loops at 4 stages, 3.6 does
+    not: sm90_compile). ``python -m kernels.bench --sweep hopper [--kv-dtype fp8]`` times the
+    alternatives."""
     if dtype == torch.float32:
         return 32, min(32, page), 4, 1, 1  # ieee fp32 dots: small tiles (tests, not speed)
     bm, bn, warps, _ = prefill_config(head_dim, dtype)
@@ -440,7 +454,7 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     return bm, bn, warps, max(1, min(stages, 4)), 1
 
 
-def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fp8: bool,
+def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_n: int) -> str | None:  # fmt: skip
     """Why the Hopper path cannot take these inputs with KV tiles of ``block_n`` keys; None if
     it can (on an sm_90+ GPU, or in the interpreter)."""
@@ -450,8 +464,6 @@ def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] != 9:
         # its tiles fill the H100's 227 KiB of shared memory a block (sm_120 has ~99 KiB)
         return "the Hopper path is sized for sm_90 (H100/H200): TMA copies, 227 KiB of smem"
-    if fp8:
-        return "fp8 caches take the portable path"
     if d not in HOPPER_HEAD_DIMS:
         return f"head dim {d}: the Hopper path takes {HOPPER_HEAD_DIMS}"
     if page < block_n:
@@ -496,7 +508,7 @@ def _gluon_config(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, c
     cfg = config or pg.gluon_config(q.shape[2], q.dtype, k_cache.shape[1])
     cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     why = pg.gluon_refusal(q, k_cache, window, softcap, fp8, cfg, cap) or hopper_refusal(
-        q, k_cache, v_cache, fp8, cfg.block_n
+        q, k_cache, v_cache, cfg.block_n
     )
     if why:
         raise ValueError(f"prefill: the Gluon path cannot run this: {why}")
@@ -531,7 +543,7 @@ def _pick_path(path: str, q, k_cache, v_cache, fp8: bool, config) -> tuple[bool,
     if path != "portable":
         cfg = tuple(config) if config else hopper_config(d, q.dtype, page)
         cfg = cfg if len(cfg) == 5 else (*cfg, 1)
-        why = hopper_refusal(q, k_cache, v_cache, fp8, cfg[1])
+        why = hopper_refusal(q, k_cache, v_cache, cfg[1])
         if path == "hopper":
             if why:
                 raise ValueError(f"prefill: the Hopper path cannot run this: {why}")

@@ -132,7 +132,7 @@ def gluon_refusal(q: torch.Tensor, k_cache: torch.Tensor, window: int, softcap: 
     if window or softcap:
         return "sliding windows and soft-capping take the portable or Hopper path"
     if fp8:
-        return "fp8 caches take the portable path"
+        return "fp8 caches take the portable or Hopper path"
     if q.dtype not in GLUON_DTYPES:
         return f"{q.dtype}: the Gluon kernel takes bf16 and fp16"
     if d not in GLUON_HEAD_DIMS:

@@ -101,13 +101,15 @@ def prefill_kernel(fp8: bool, dt: str = "bf16", d: int = 128, cfg=(128, 128, 8, 
     return _compile(prefill._prefill_kernel, ptrs, consts, num_warps=cfg[2], num_stages=cfg[3])
 
 
-def hopper_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt="bf16"):
+def hopper_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt="bf16", fp8=False,
+                          **flags):  # fmt: skip
     """The Hopper path (``prefill_attention(path="hopper")``): K/V as tensor descriptors of
-    ``[BLOCK_N, D]`` blocks, the persistent loop; ``cfg`` by default ``hopper_config``'s."""
+    ``[BLOCK_N, D]`` blocks (e4m3 ones over an fp8 cache, its scale pools as pointers), the
+    persistent loop; ``cfg`` by default ``hopper_config``'s."""
     cfg = cfg or prefill.hopper_config(d, torch.bfloat16, page)[:4]
-    desc = f"tensordesc<{dt}[{cfg[1]}, {d}]>"
-    return prefill_kernel(False, dt, d, cfg, PAGE=page, TMA=True, PERSISTENT=True,
-                          _types={"K": desc, "V": desc})  # fmt: skip
+    desc = f"tensordesc<{'fp8e4nv' if fp8 else dt}[{cfg[1]}, {d}]>"
+    flags = {"PAGE": page, "TMA": True, "PERSISTENT": True, **flags}
+    return prefill_kernel(fp8, dt, d, cfg, _types={"K": desc, "V": desc}, **flags)
 
 
 def gluon_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt: str = "bf16"):
@@ -261,18 +263,44 @@ def _ptx_loop(ptx: str) -> list[str]:
             if line and not line.startswith(("//", "$", "{", "}", "."))]  # fmt: skip
 
 
+def _sass_code(kernel) -> list[tuple[int, str]]:
+    """The cubin's SASS as (address, instruction)."""
+    sass = _on_cubin(kernel, "cuobjdump", "-sass")
+    return [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _backward_branches(code) -> list[tuple[int, int]]:
+    """(target, branch) of every backward branch: the loops."""
+    spans = []
+    for addr, op in code:
+        m = re.search(r"BRA (0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr:
+            spans.append((int(m.group(1), 16), addr))
+    return spans
+
+
+def _count(code, span) -> tuple[int, int]:
+    """SASS instructions in ``span``, and how many are local-memory loads and stores."""
+    body = [op for addr, op in code if span[0] <= addr <= span[1]]
+    return len(body), sum(bool(re.match(r"(@!?P\d+\s+)?(LDL|STL)\b", op)) for op in body)
+
+
 def _sass_loop(kernel) -> tuple[int, int]:
     """SASS instructions of the main loop (those within the longest backward branch), and how
     many of them are local-memory loads and stores (spills in the loop)."""
-    sass = _on_cubin(kernel, "cuobjdump", "-sass")
-    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    start = end = 0
-    for addr, op in code:
-        m = re.search(r"BRA (0x[0-9a-f]+)", op)
-        if m and int(m.group(1), 16) < addr and addr - int(m.group(1), 16) > end - start:
-            start, end = int(m.group(1), 16), addr
-    body = [op for addr, op in code if start <= addr <= end]
-    return len(body), sum(bool(re.match(r"(@!?P\d+\s+)?(LDL|STL)\b", op)) for op in body)
+    code = _sass_code(kernel)
+    return _count(code, max(_backward_branches(code), key=lambda s: s[1] - s[0], default=(0, 0)))
+
+
+def inner_loops(kernel) -> list[list[int]]:
+    """[SASS instructions, local loads and stores] of each innermost loop (a backward branch
+    around no other; barrier-wait retries of a few instructions left out), in address order:
+    the KV loops of the attention kernels (the unmasked tiles', the diagonal's), apart from a
+    persistent loop around them."""
+    code = _sass_code(kernel)
+    spans = [s for s in _backward_branches(code) if _count(code, s)[0] > 8]
+    inner = [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
+    return [list(_count(code, span)) for span in sorted(inner)]
 
 
 _PTX_KINDS = {
@@ -354,6 +382,7 @@ def summary(kernel) -> dict:
         "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
         "loop_loads": re.findall(r"tt\.load [^:]*: (tensor<[^>]*>)", loop),
         "loop": loop_mix(kernel),
+        "inner_loops": inner_loops(kernel),
         # tiles in flight per multi-buffered shared allocation (the pipeline's depth)
         "buffers": sorted(
             {
@@ -383,6 +412,12 @@ VARIANTS = {
     "prefill-hopper-d128-page64": lambda: hopper_prefill_kernel(page=64),
     "prefill-hopper-d64": lambda: hopper_prefill_kernel(64, 64),
     "prefill-hopper-d256": lambda: hopper_prefill_kernel(256, 64),
+    # the Hopper path over an fp8 cache (e4m3 descriptors, the scales beside): hopper_config's
+    # tiles at each head dim and page, and once with a window and soft-capping
+    **{f"prefill-hopper-fp8-d{d}-page{p}": functools.partial(hopper_prefill_kernel, d, p, fp8=True)
+       for d in (64, 128, 256) for p in (64, 128)},
+    "prefill-hopper-fp8-d256-page64-window-softcap": lambda: hopper_prefill_kernel(
+        256, 64, fp8=True, WINDOWED=True, SOFTCAP=True),
     "rope-fp8": lambda: rope_kernel(True),
     "rope-fp8-head-a-program": lambda: rope_kernel(True, heads=(1, 1)),
     "rope-bf16-head-a-program": lambda: rope_kernel(False, heads=(1, 1)),

@@ -503,17 +503,21 @@ def test_prefill_hopper_refuses_what_it_cannot_run(d, page, kw, message):
         run_prefill(q, kv, cu_of([50]), 0.125, **{"path": "hopper", **kw})
 
 
-def test_prefill_hopper_refuses_fp8_and_auto_stays_portable():
+def test_prefill_hopper_takes_fp8_and_auto_takes_it_on_sm90_only():
+    """An fp8 cache: path="hopper" runs it (its results: tests/test_kv_fp8.py); auto takes
+    it on sm_90 at pages of >= 64 tokens (the same bits), the portable path elsewhere."""
     from kernels.kv_quant import FP8_KV_DTYPE, kv_scale_shape
 
-    k = torch.zeros(4, 64, 1, 64, device=DEVICE, dtype=FP8_KV_DTYPE)
-    sc = torch.ones(kv_scale_shape(4, 64, 1), device=DEVICE, dtype=torch.bfloat16)
-    q = torch.randn(10, 2, 64, device=DEVICE).half()
-    args = (q, k, k, cu_of([10]), torch.tensor([10], dtype=torch.int32, device=DEVICE),
+    k = torch.randn(4, 64, 1, 64, device=DEVICE).to(FP8_KV_DTYPE)
+    sc = torch.rand(kv_scale_shape(4, 64, 1), device=DEVICE).to(torch.bfloat16)
+    q = torch.randn(100, 2, 64, device=DEVICE).half()
+    args = (q, k, k, cu_of([100]), torch.tensor([150], dtype=torch.int32, device=DEVICE),
             torch.arange(4, dtype=torch.int32, device=DEVICE)[None], 0.125)  # fmt: skip
-    with pytest.raises(ValueError, match="fp8"):
-        prefill_attention(*args, k_scale=sc, v_scale=sc, path="hopper")
-    prefill_attention(*args, k_scale=sc, v_scale=sc)  # auto: the portable path
+    out = {p: prefill_attention(*args, k_scale=sc, v_scale=sc, path=p)
+           for p in ("hopper", "portable", "auto")}  # fmt: skip
+    assert_close(out["hopper"], out["portable"], TOL[torch.float16], "fp8 hopper vs portable")
+    on_sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert torch.equal(out["auto"], out["hopper" if on_sm90 else "portable"])
 
 
 # ---------------------------------------------------------------- prefill, the Gluon kernel

@@ -133,8 +133,9 @@ def test_fp8_gemv_sweep_covers_both_dot_kinds_and_splits():
 
 
 def test_fp8_kv_grid_counts_the_bytes_it_reads(tmp_path, capsys):
-    """``--kv-dtype fp8``: our decode and prefill over e4m3 pools with their scales; ours GB/s
-    count one byte a value plus a 2-byte scale per token and head, the peers' their own."""
+    """``--kv-dtype fp8``: our decode and prefill (the portable kernel and the Hopper path)
+    over e4m3 pools with their scales; ours GB/s count one byte a value plus a 2-byte scale per
+    token and head, the peers' their own."""
     from kernels import bench
 
     out = tmp_path / "fp8.json"
@@ -150,6 +151,8 @@ def test_fp8_kv_grid_counts_the_bytes_it_reads(tmp_path, capsys):
     assert row["sdpa_gbs"] == pytest.approx(peer_bytes / row["sdpa_us"] / 1e3)
     (pre,) = res["prefill"]
     assert pre["kv_dtype"] == "fp8" and pre["ours_page16_us"] > 0
+    assert pre["hopper_page64_us"] > 0 and pre["hopper_page128_us"] > 0  # the Hopper path too
+    assert pre["gluon_page64_us"] is None and pre["gluon_page128_us"] is None  # bf16 only
     assert "our KV cache: fp8" in capsys.readouterr().out
     pools = bench.kv_pools(3, 16, 2, 64, "fp8")
     assert pools["k_cache"].dtype == torch.float8_e4m3fn and pools["v_scale"].shape == (3, 2, 16)

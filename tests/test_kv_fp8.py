@@ -319,6 +319,82 @@ def test_prefill_fp8_matches_the_reference_on_the_dequantized_cache(dtype, hq, h
     assert_close(lse, ref_lse, LSE_TOL[dtype], f"fp8 prefill lse {kw}")
 
 
+# ---------------------------------------------------------------- prefill, the Hopper path
+# path="hopper" over an fp8 cache: e4m3 tiles through tensor descriptors (in the interpreter,
+# plain Python), their scales beside them. The copies cannot be masked, so every slot past each
+# sequence's end (and left of a window in its first page) is NaN, bytes and scales: the kernel
+# must not let them in. The interpreter converts e4m3 NaN bytes to 480 (Triton 3.9): here the
+# NaN scales are the test, the NaN bytes tests/test_kv_fp8_gpu.py's. Tiles of 32 queries over
+# 4 persistent programs (the interpreter's num_sms) give several waves; config None:
+# hopper_config's (float32: its small tiles).
+
+E4M3_NAN = 0x7F
+
+
+def _poisoned(kv: Fp8Paged, starts=None) -> Fp8Paged:
+    """``kv`` with e4m3 NaN bytes and NaN scales in every slot of its sequences' pages before
+    ``starts[b]`` (0: none) and from ``lens[b]`` on (``kd``/``vd`` keep the clean values)."""
+    bad = Fp8Paged.__new__(Fp8Paged)
+    bad.__dict__.update(kv.__dict__)
+    pools = [x.clone() for x in (kv.k, kv.k_scale, kv.v, kv.v_scale)]
+    for b, n in enumerate(kv.lens):
+        pages = -(-n // kv.page)
+        dead = torch.ones(pages * kv.page, dtype=torch.bool)
+        dead[(starts[b] if starts else 0) : n] = False
+        for i in dead.nonzero()[:, 0].tolist():
+            blk, off = kv.block_tables[b, i // kv.page].long(), i % kv.page
+            for cache, scale in (pools[:2], pools[2:]):
+                cache.view(torch.uint8)[blk, off] = E4M3_NAN
+                scale[blk, :, off] = float("nan")
+    bad.k, bad.k_scale, bad.v, bad.v_scale = pools
+    return bad
+
+
+HOPPER_CASES = [  # (dtype, hq, hkv, d, query lens, cached context, page, config, call options)
+    (torch.float16, 4, 2, 64, [1, 17, 70], [0, 30, 90], 64, (32, 32, 4, 1, 1), {}),
+    (torch.float16, 8, 2, 128, [40, 1, 64], [100, 127, 64], 128, (32, 64, 4, 1, 0), {}),
+    (torch.float32, 4, 1, 64, [33, 2], [64, 200], 64, None, {}),
+    (torch.float16, 4, 2, 64, [50, 1, 20], [70, 31, 200], 64, (32, 32, 4, 1, 2),
+     {"softcap": 5.0, "window": 40}),
+    (torch.float16, 2, 1, 256, [20, 3], [45, 61], 64, (16, 32, 4, 1, 1), {"window": 30}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,qlens,ctx,page,cfg,kw", HOPPER_CASES)
+def test_prefill_hopper_fp8_matches_the_reference(dtype, hq, hkv, d, qlens, ctx, page, cfg, kw):
+    """GQA, chunks after cached context (lengths ending inside a page, on a tile edge, one
+    token), the LSE; persistent and not; windows and soft-caps; NaN in every dead slot."""
+    kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
+    window = kw.get("window", 0)
+    starts = [max(0, c - window + 1) if window else 0 for c in ctx]  # the first chunk query's
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
+    cu = _cu(qlens)
+    out, lse = _prefill(q, _poisoned(kv, starts), cu, d**-0.5, path="hopper", config=cfg, **kw)
+    ref_out, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                                   kv.block_tables, d**-0.5, return_lse=True,
+                                                   **kw)  # fmt: skip
+    assert_close(out, ref_out, TOL[dtype], f"fp8 hopper prefill out {cfg} {kw}")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"fp8 hopper prefill lse {cfg} {kw}")
+
+
+def test_prefill_hopper_fp8_chunks_equal_the_whole_prompt():
+    """Chunked prefill on the Hopper path over an fp8 cache (the engine's order: each chunk
+    sees the pages written so far, the rest of its last page NaN) equals the whole prompt."""
+    n, page, cfg = 200, 64, (32, 64, 4, 1, 1)
+    kv = Fp8Paged([n], 2, 64, page)
+    q = torch.randn(n, 4, 64, device=DEVICE).half()
+    whole, whole_lse = _prefill(q, _poisoned(kv), _cu([n]), 0.125, path="hopper", config=cfg)
+    parts = []
+    for a, b in ((0, 64), (64, 130), (130, 131), (131, n)):
+        chunk = Fp8Paged.__new__(Fp8Paged)
+        chunk.__dict__.update(kv.__dict__)
+        chunk.lens, chunk.seq_lens = [b], torch.tensor([b], dtype=torch.int32, device=DEVICE)
+        parts.append(_prefill(q[a:b], _poisoned(chunk), _cu([b - a]), 0.125, path="hopper",
+                              config=cfg))  # fmt: skip
+    assert_close(torch.cat([o for o, _ in parts]), whole, 2e-3, "fp8 hopper chunks out")
+    assert_close(torch.cat([x for _, x in parts]), whole_lse, 1e-4, "fp8 hopper chunks lse")
+
+
 def test_head_dim_256_fp8_decode_and_prefill():
     kv = Fp8Paged([40, 300], 1, 256, 16)
     q = torch.randn(2, 2, 256, device=DEVICE, dtype=torch.float16)

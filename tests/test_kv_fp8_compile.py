@@ -66,3 +66,26 @@ def test_decode_smem_model_matches_the_compiled_kernels(compiled):
         block_n, _, stages = decode_config(d, fp8=fp8)
         model = _tile_bytes(block_n, stages, d, 1 if fp8 else 2, fp8) + (9 << 10)
         assert abs(model - (compiled[name]["shared"] + 1024)) <= 4096, (name, model)
+
+
+HOPPER_FP8 = [f"prefill-hopper-fp8-d{d}-page{p}" for d in (64, 128, 256) for p in (64, 128)]
+
+
+def test_fp8_hopper_prefill_copies_the_tiles_by_tma_and_the_scales_beside(compiled):
+    """The Hopper path over an fp8 cache (``hopper_config``'s tiles, and a window with a
+    soft-cap): e4m3 tiles by bulk tensor copies, their scales by cp.async with them, nothing
+    synchronous in the KV loops (the block-table entry comes a tile ahead), warpgroup MMAs,
+    within the H100's 227 KiB of shared memory a block."""
+    for name in [*HOPPER_FP8, "prefill-hopper-fp8-d256-page64-window-softcap"]:
+        row = compiled[name]
+        assert row["tma_loads"] > 0 and row["cp_async"] > 0 and row["wgmma"] > 0, (name, row)
+        assert row["loop_loads"] == [], (name, row)
+        assert row["shared"] <= 227 << 10, (name, row)
+
+
+def test_fp8_hopper_prefill_64_key_tiles_do_not_spill(compiled):
+    """64-key tiles up to head dim 128 keep to the register file (Triton 3.6 and 3.9); at
+    d128 with 128 keys and at d256 every config fills it (hopper_config)."""
+    for name in ("prefill-hopper-fp8-d64-page64", "prefill-hopper-fp8-d64-page128",
+                 "prefill-hopper-fp8-d128-page64"):  # fmt: skip
+        assert compiled[name]["stack_bytes"] == 0, (name, compiled[name])

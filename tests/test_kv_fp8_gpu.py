@@ -225,6 +225,168 @@ def test_prefill_fp8_bf16(d, page, window, softcap):
     assert_close(lse, ref_lse, LSE_TOL, f"fp8 prefill lse d={d}")
 
 
+# ---- prefill, the Hopper path over an fp8 cache (path="hopper": e4m3 tiles by TMA copies) ----
+
+
+def _skip_off_sm90():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper prefill path runs on sm_90")
+
+
+def poison(kv: Fp8Pools, lens, page, first=None) -> None:
+    """e4m3 NaN bytes and NaN scales in every slot of each sequence's last page past its end
+    and of its first window page left of ``first[b]``: the unmaskable copies bring them in
+    with the diagonal's and the window edge's tiles. Dequantize before: the reference reads
+    clean pools."""
+    for b, n in enumerate(lens):
+        spans = [(n // page, n % page, page)] if n % page else []
+        if first and first[b] % page:
+            spans.append((first[b] // page, 0, first[b] % page))
+        for blk, lo, hi in spans:
+            blk = kv.bt[b, blk].long()
+            for q, s in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
+                q.view(torch.uint8)[blk, lo:hi] = 0x7F  # e4m3 NaN
+                s[blk, :, lo:hi] = float("nan")
+
+
+def _cu(qlens):
+    return torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")  # fmt: skip
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("per_sm", [1, 0])
+def test_prefill_hopper_fp8_bf16(d, page, per_sm):
+    """The Hopper path over an fp8 cache with its default tiles, persistent (1 program per
+    SM) and not (0): GQA, five sequences with cached context, one-token chunks, lengths off
+    every edge, NaN bytes and scales past each end; output and LSE against the reference
+    on the dequantized cache."""
+    _skip_off_sm90()
+    from kernels.prefill import hopper_config, prefill_attention
+
+    hq, hkv = (32, 8) if d == 128 else (16, 4)
+    qlens, ctx = [1, 17, 2000, 700, 129], [0, 100, 0, 3000, 64]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    kv = Fp8Pools(lens, hkv, d, page)
+    kd, vd = kv.dequantized()
+    poison(kv, lens, page)
+    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(qlens)
+    cfg = (*hopper_config(d, torch.bfloat16, page)[:4], per_sm)
+    out = torch.full_like(q, float("nan"))
+    out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
+                                 max_query_len=max(qlens), out=out, return_lse=True, config=cfg,
+                                 path="hopper", **kv.scales)  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5,
+                                               return_lse=True)  # fmt: skip
+    assert_close(out, ref, BF16_TOL, f"fp8 hopper prefill d={d} page={page} {cfg}")
+    assert_close(lse, ref_lse, LSE_TOL, f"fp8 hopper prefill lse d={d} page={page} {cfg}")
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("page", [64, 128])
+def test_prefill_hopper_fp8_window_softcap(d, page):
+    """A 4,096-token window and a soft-cap of 50 (Gemma 2's) over an fp8 cache: chunks after
+    30K / 5K cached tokens, a one-token chunk; the pages wholly left of each chunk's first
+    window are NaN (never read), and so are the slots left of the window in its first page
+    and past each end (read, and masked)."""
+    _skip_off_sm90()
+    from kernels.prefill import prefill_attention
+
+    hq, hkv, window, softcap = 16, 8, 4096, 50.0
+    qlens, ctx = [2048, 1, 3000, 700], [30000, 5000, 0, 64]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    first = [max(0, c - window + 1) for c in ctx]
+    kv = Fp8Pools(lens, hkv, d, page, first)
+    kd, vd = kv.dequantized()
+    poison(kv, lens, page, first)
+    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(qlens)
+    out = torch.full_like(q, float("nan"))
+    out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
+                                 max_query_len=max(qlens), out=out, return_lse=True,
+                                 window=window, softcap=softcap, path="hopper",
+                                 **kv.scales)  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5,
+                                               return_lse=True, window=window,
+                                               softcap=softcap)  # fmt: skip
+    assert_close(out, ref, BF16_TOL, f"fp8 hopper window d={d} page={page}")
+    assert_close(lse, ref_lse, LSE_TOL, f"fp8 hopper window lse d={d} page={page}")
+
+
+def test_prefill_hopper_fp8_cuda_graph_replay():
+    """One capture over an fp8 cache, replays with new block tables, lengths and queries
+    (NaN past each new end), each right: the e4m3 descriptors travel by value in the launch
+    and the scale pools by pointer."""
+    _skip_off_sm90()
+    from kernels.prefill import prefill_attention
+
+    bsz, n, hq, hkv, d, page = 2, 1024, 32, 8, 128, 128
+    kv = Fp8Pools([3 * n] * bsz, hkv, d, page)  # room for 3n tokens a sequence
+    clean = [x.clone() for x in (kv.k, kv.k_scale, kv.v, kv.v_scale)]
+    q = torch.randn(bsz * n, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = _cu([n] * bsz)
+    kv.bt.zero_()
+    kv.sl.fill_(n)
+
+    def call():
+        return prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5, max_query_len=n,
+                                 path="hopper", **kv.scales)  # fmt: skip
+
+    graph, out = capture_graph(call)
+    for ctx in (0, 700, 2047):  # cached tokens before each chunk of n
+        for x, c in zip((kv.k, kv.k_scale, kv.v, kv.v_scale), clean):
+            x.copy_(c)
+        kv.bt.copy_(torch.randperm(kv.k.shape[0], device="cuda")[: kv.bt.numel()].view_as(kv.bt))
+        kv.sl.fill_(ctx + n)
+        kd, vd = kv.dequantized()
+        poison(kv, [ctx + n] * bsz, page)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5)
+        assert_close(out, ref, BF16_TOL, f"fp8 hopper graph replay ctx={ctx}")
+
+
+def test_prefill_auto_takes_hopper_over_fp8():
+    """``path="auto"`` over an fp8 cache: the Hopper path on sm_90 from 64-token pages on (the
+    same bits as ``path="hopper"``; the Gluon kernel refuses fp8), the portable kernel on
+    16-token pages and off sm_90."""
+    from kernels.prefill import prefill_attention
+
+    sm90 = torch.cuda.get_device_capability()[0] == 9
+    for page in (16, 64, 128):
+        kv = Fp8Pools([3000], 8, 128, page)
+        q = torch.randn(3000, 32, 128, device="cuda", dtype=torch.bfloat16)
+        args = (q, kv.k, kv.v, _cu([3000]), kv.sl, kv.bt, 0.088)
+        auto = prefill_attention(*args, max_query_len=3000, path="auto", **kv.scales)
+        picked = "hopper" if sm90 and page >= 64 else "portable"
+        same = prefill_attention(*args, max_query_len=3000, path=picked, **kv.scales)
+        assert torch.equal(auto, same), (page, picked)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_prefill_hopper_fp8_sweep_configs_are_right(d):
+    """Every config ``kernels.bench --sweep hopper --kv-dtype fp8`` times (HOPPER_CONFIGS and
+    HOPPER_FP8_CONFIGS) compiles, fits and computes the right thing over an fp8 cache."""
+    _skip_off_sm90()
+    from kernels.bench import HOPPER_CONFIGS, HOPPER_FP8_CONFIGS
+    from kernels.prefill import prefill_attention
+
+    qlens, ctx = [1000, 300], [0, 1500]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    kv = Fp8Pools(lens, 8, d, 128)
+    q = torch.randn(sum(qlens), 32, d, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(qlens)
+    kd, vd = kv.dequantized()
+    ref = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5)
+    for cfg in HOPPER_CONFIGS[d] + HOPPER_FP8_CONFIGS[d]:
+        out = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5, max_query_len=1000,
+                                config=cfg, path="hopper", **kv.scales)  # fmt: skip
+        assert_close(out, ref, BF16_TOL, f"fp8 hopper d={d} {cfg}")
+
+
 def test_decode_fp8_cuda_graph_replay():
     """A windowed soft-capped layer (head dim 256) and a global one over fp8 caches in one
     graph captured at max_seq_len 32K, replayed with new lengths, block tables and queries."""

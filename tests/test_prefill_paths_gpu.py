@@ -1,6 +1,7 @@
 """The sm_90 prefill paths in the engine (``--prefill-path hopper`` / ``gluon``): a bf16 model
 with head dim 128 in 128-token blocks, prompts prefilled in 512-token chunks over their cached
-context, a second request starting on the first's cached blocks (prefix caching). Each greedy
+context, a second request starting on the first's cached blocks (prefix caching); the Hopper
+path over an fp8 cache too, against the portable path over the same. Each greedy
 token is, teacher-forced through the portable path, within bf16 rounding of its best logit,
 and a whole prompt's logits match the portable path's. Run on the GPU machine:
 ``python3 -m pytest -q -m gpu tests/test_prefill_paths_gpu.py``."""
@@ -34,10 +35,11 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-def _engine(checkpoint: str, path: str) -> LLM:
+def _engine(checkpoint: str, path: str, kv: str = "auto") -> LLM:
     return LLM(EngineConfig(model=checkpoint, device="cuda", dtype="bfloat16", block_size=128,
                             max_num_batched_tokens=512, max_model_len=4096, max_num_seqs=4,
-                            max_kv_tokens=16384, prefill_path=path))  # fmt: skip
+                            max_kv_tokens=16384, prefill_path=path,
+                            kv_cache_dtype=kv))  # fmt: skip
 
 
 def _free() -> None:
@@ -46,8 +48,10 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("path", ["hopper", "gluon"])
-def test_sm90_prefill_path_gives_the_portable_paths_tokens_and_logits(checkpoint, path):
+@pytest.mark.parametrize("path, kv", [("hopper", "auto"), ("gluon", "auto"), ("hopper", "fp8")])
+def test_sm90_prefill_path_gives_the_portable_paths_tokens_and_logits(checkpoint, path, kv):
+    """kv fp8: the same e4m3 cache (and its scales) read by the Hopper path and the portable
+    one."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper and Gluon prefill paths run on sm_90")
     if path == "gluon" and gluon_triton_refusal(triton.__version__):
@@ -58,7 +62,7 @@ def test_sm90_prefill_path_gives_the_portable_paths_tokens_and_logits(checkpoint
     later = [head + torch.randint(3, 500, (250,), generator=gen).tolist(),
              torch.randint(3, 500, (777,), generator=gen).tolist()]  # fmt: skip
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
-    llm = _engine(checkpoint, path)
+    llm = _engine(checkpoint, path, kv)
     outs = llm.generate([first], params)
     hits = llm.engine.scheduler.prefix_cache_hits
     outs += llm.generate(later, params)
@@ -66,7 +70,7 @@ def test_sm90_prefill_path_gives_the_portable_paths_tokens_and_logits(checkpoint
     whole = _teacher_forced_logits(llm, first)
     del llm
     _free()
-    ref = _engine(checkpoint, "portable")
+    ref = _engine(checkpoint, "portable", kv)
     assert rel_err(whole, _teacher_forced_logits(ref, first)) < 2e-2
     for prompt, out in zip([first, *later], outs):
         tokens = out.token_ids
