@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -91,10 +92,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device is cuda but torch sees no CUDA device")
+        if self.device.startswith("cuda:") and int(self.device[5:]) >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device} does not exist: torch sees "
+                             f"{torch.cuda.device_count()} GPU(s)")  # fmt: skip
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in _DTYPES:
@@ -110,6 +114,8 @@ class EngineConfig:
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":
             raise ValueError("pdl_chain needs the triton attention backend")
+        if self.tensor_parallel_size > 1 and self.is_cuda:  # before any query of the GPUs
+            self._check_gpus()
         if self.block_size is None:
             self.block_size = self._default_block_size()
         self._check_prefill_path()
@@ -141,8 +147,6 @@ class EngineConfig:
             from flashserve.engine.parallel import check_fused
 
             check_fused(self)
-        if self.tensor_parallel_size > 1 and self.is_cuda:
-            self._check_gpus()
 
     def _check_gpus(self) -> None:
         """Enough GPUs on this host for one per rank (under torchrun, each host has its
