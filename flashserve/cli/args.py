@@ -115,10 +115,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tp-all-reduce",
         choices=TP_ALL_REDUCES,
-        help="the tensor-parallel ranks' all-reduce: nccl (default), or auto: torch's "
+        help="the tensor-parallel ranks' all-reduce: nccl (default), auto (torch's "
         "symmetric-memory one-shot kernel for small bf16/fp32 messages where the ranks share "
-        "a host (decode 2-2.5%% faster than with NCCL on two H200s; not the default: README), "
-        "NCCL for the rest",
+        "a host, NCCL for the rest: decode 2-2.5%% faster than with NCCL on two H200s; not the "
+        "default: README), or fused (two ranks on one host, CUDA, triton backend: decode "
+        "steps' all-reduces folded into the row-parallel GEMVs and the norms after them; "
+        "not yet run on GPUs)",
     )
     g.add_argument(
         "--prefill-path",
