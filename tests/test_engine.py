@@ -53,14 +53,33 @@ def _prompts(llm: LLM, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode("word " * random.randint(0, 40)) + p for p in ids]
 
 
+# fp32 logits of one prompt computed in another batch, or over another cached prefix, differ in
+# their last bits (another matmul blocking, another reduction order): a greedy pick may flip
+# where the two best logits are that close (seen: FLASHSERVE_TEST_SEED=6546334, the whole file)
+FP32_LOGIT_SLACK = 1e-4
+
+
 def test_batched_greedy_equals_one_at_a_time(llm):
+    """Each sequence of a batch gets the tokens it gets alone; where the two part (a near-tie
+    of fp32 logits), every token of both is the argmax of teacher-forced logits within
+    FP32_LOGIT_SLACK."""
     prompts = _prompts(llm, 6)
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     batched = llm.generate(prompts, params)
+    parted = 0
     for prompt, got in zip(prompts, batched):
-        alone = llm.generate([prompt], params)[0]
-        assert got.token_ids == alone.token_ids
         assert len(got.token_ids) == 12 and got.finish_reason == "length"
+        alone = llm.generate([prompt], params)[0]
+        if got.token_ids == alone.token_ids:
+            continue
+        parted += 1
+        for tokens in (got.token_ids, alone.token_ids):
+            logits = torch.cat(list(llm.engine.prompt_logits(prompt + tokens)))
+            logits = logits[len(prompt) - 1 : -1]  # [12, V]: row i predicts tokens[i]
+            chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            gap = logits.max(dim=1).values - chosen  # >= 0
+            assert gap.max().item() <= FP32_LOGIT_SLACK, (tokens, gap.tolist())
+    assert parted <= 1, f"{parted} of 6 sequences parted from their own run: not a near-tie"
 
 
 def test_seeded_sampling_is_batch_invariant(llm):
