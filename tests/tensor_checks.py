@@ -38,3 +38,12 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def cu_of(lens, device: str | None = None) -> torch.Tensor:  # [B + 1] int32
+    """``[0, l0, l0 + l1, ...]``: the offsets of sequences of ``lens`` tokens laid back to
+    back, as the attention kernels take them (``cu_seqlens_q``); on ``device`` (default: the
+    GPU where there is one, as the tests' ``DEVICE``)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)  # fmt: skip

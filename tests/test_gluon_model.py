@@ -30,6 +30,7 @@ import random
 
 import pytest
 import torch
+from tensor_checks import cu_of
 
 from kernels import reference
 
@@ -436,7 +437,7 @@ def test_consumer_arithmetic_matches_the_reference(block_n, page):
     for b, n in enumerate(need):
         bt[b, :n] = ids[pos : pos + n].int()
         pos += n
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_of(qlens, "cpu")
     sl = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(sum(qlens), hq, d, dtype=torch.float64)
     ref, ref_lse = reference.prefill_attention(q, k, v, cu, sl, bt, d**-0.5, return_lse=True)

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close, rel_err  # noqa: E402
+from tensor_checks import assert_close, cu_of, rel_err  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.decode import DecodeTuning, decode_attention  # noqa: E402
@@ -99,11 +99,6 @@ def run_prefill(q, kv: Paged, cu, scale, **kw):
         max_seq_len=max(kv.lens), out=out, return_lse=True, **kw,
     )  # fmt: skip
     return out, lse
-
-
-def cu_of(qlens):
-    return torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                        device=DEVICE)  # fmt: skip
 
 
 # ---------------------------------------------------------------- decode

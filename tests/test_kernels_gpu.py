@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensor_checks import assert_close, capture_graph
+from tensor_checks import assert_close, capture_graph, cu_of
 
 from kernels import reference
 
@@ -165,8 +165,7 @@ def test_prefill_bf16(d, page):
     hq, hkv = 16, 4
     qlens, ctx = [1, 17, 2000, 700, 129], [0, 100, 0, 3000, 64]
     k, v, bt, sl = paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")  # fmt: skip
+    cu = cu_of(qlens)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens),
@@ -323,8 +322,7 @@ def test_prefill_window_softcap_bf16(d, softcap, path, page):
     qlens, ctx = [2048, 1, 3000, 5000], [131072 - 2048, 5000, 2000, 0]
     lens = [a + b for a, b in zip(qlens, ctx)]
     k, v, bt, sl = windowed_paged(lens, [max(0, c - window + 1) for c in ctx], hkv, d, page)
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")  # fmt: skip
+    cu = cu_of(qlens)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens),
@@ -379,11 +377,6 @@ def nan_tails(k, v, bt, lens, page):
         last, off = divmod(n, page)
         if off:
             k[bt[b, last].long(), off:], v[bt[b, last].long(), off:] = float("nan"), float("nan")
-
-
-def cu_of(qlens):
-    return torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                        device="cuda")  # fmt: skip
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

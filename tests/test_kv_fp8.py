@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close  # noqa: E402
+from tensor_checks import assert_close, cu_of  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.decode import DecodeTuning, decode_attention, scales_ahead  # noqa: E402
@@ -290,11 +290,6 @@ def _prefill(q, kv: Fp8Paged, cu, scale, **kw):
                              **kw)  # fmt: skip
 
 
-def _cu(qlens):
-    return torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                        device=DEVICE)  # fmt: skip
-
-
 PREFILL_CASES = [  # (dtype, hq, hkv, d, query lens, cached context, page, call options)
     (torch.float16, 4, 2, 64, [1, 17, 70], [0, 30, 9], 16, {}),
     (torch.float32, 4, 1, 64, [40, 3], [100, 0], 64, {}),
@@ -310,7 +305,7 @@ def test_prefill_fp8_matches_the_reference_on_the_dequantized_cache(dtype, hq, h
     """Chunks over cached context (chunked prefill, prefix reuse) read fp8 pages too."""
     kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
     q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
-    cu = _cu(qlens)
+    cu = cu_of(qlens)
     out, lse = _prefill(q, kv, cu, d**-0.5, **kw)
     ref_out, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
                                                    kv.block_tables, d**-0.5, return_lse=True,
@@ -368,7 +363,7 @@ def test_prefill_hopper_fp8_matches_the_reference(dtype, hq, hkv, d, qlens, ctx,
     window = kw.get("window", 0)
     starts = [max(0, c - window + 1) if window else 0 for c in ctx]  # the first chunk query's
     q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
-    cu = _cu(qlens)
+    cu = cu_of(qlens)
     out, lse = _prefill(q, _poisoned(kv, starts), cu, d**-0.5, path="hopper", config=cfg, **kw)
     ref_out, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
                                                    kv.block_tables, d**-0.5, return_lse=True,
@@ -383,13 +378,13 @@ def test_prefill_hopper_fp8_chunks_equal_the_whole_prompt():
     n, page, cfg = 200, 64, (32, 64, 4, 1, 1)
     kv = Fp8Paged([n], 2, 64, page)
     q = torch.randn(n, 4, 64, device=DEVICE).half()
-    whole, whole_lse = _prefill(q, _poisoned(kv), _cu([n]), 0.125, path="hopper", config=cfg)
+    whole, whole_lse = _prefill(q, _poisoned(kv), cu_of([n]), 0.125, path="hopper", config=cfg)
     parts = []
     for a, b in ((0, 64), (64, 130), (130, 131), (131, n)):
         chunk = Fp8Paged.__new__(Fp8Paged)
         chunk.__dict__.update(kv.__dict__)
         chunk.lens, chunk.seq_lens = [b], torch.tensor([b], dtype=torch.int32, device=DEVICE)
-        parts.append(_prefill(q[a:b], _poisoned(chunk), _cu([b - a]), 0.125, path="hopper",
+        parts.append(_prefill(q[a:b], _poisoned(chunk), cu_of([b - a]), 0.125, path="hopper",
                               config=cfg))  # fmt: skip
     assert_close(torch.cat([o for o, _ in parts]), whole, 2e-3, "fp8 hopper chunks out")
     assert_close(torch.cat([x for _, x in parts]), whole_lse, 1e-4, "fp8 hopper chunks lse")
@@ -402,7 +397,7 @@ def test_head_dim_256_fp8_decode_and_prefill():
     ref, _ = _decode_ref(q, kv, 256**-0.5, window=64)
     assert_close(out, ref, TOL[torch.float16], "fp8 decode d=256")
     qp = torch.randn(45, 2, 256, device=DEVICE, dtype=torch.float16)
-    cu = _cu([5, 40])
+    cu = cu_of([5, 40])
     out, _ = _prefill(qp, kv, cu, 256**-0.5, softcap=10.0)
     ref, _ = reference.prefill_attention(qp.double(), kv.kd, kv.vd, cu, kv.seq_lens,
                                          kv.block_tables, 256**-0.5, return_lse=True,
@@ -420,7 +415,7 @@ def test_small_values_keep_their_precision_in_fp16():
         out, _ = _decode(q, kv, 0.125)
         ref, _ = _decode_ref(q, kv, 0.125)
         assert_close(out, ref, TOL[dtype], f"fp8 decode, small V, {dtype}")
-    cu = _cu([20, 5])
+    cu = cu_of([20, 5])
     qp = torch.randn(25, 4, 64, device=DEVICE, dtype=torch.float16)
     out, _ = _prefill(qp, kv, cu, 0.125)
     ref, _ = reference.prefill_attention(qp.double(), kv.kd, kv.vd, cu, kv.seq_lens,
@@ -454,7 +449,7 @@ def test_reference_attention_reads_fp8_as_its_dequantized_cache():
                                       return_lse=True, window=30)  # fmt: skip
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     q32 = q.float()
-    out = reference.prefill_attention(q32, kv.k, kv.v, _cu([1, 1, 1]), kv.seq_lens,
+    out = reference.prefill_attention(q32, kv.k, kv.v, cu_of([1, 1, 1]), kv.seq_lens,
                                       kv.block_tables, 0.2, window=30, **kv.scales)  # fmt: skip
     assert_close(out, want[0], 1e-5, "reference fp8 through SDPA (float32)")
 
@@ -485,7 +480,7 @@ def test_fp8_inputs_are_checked(change, message):
         decode_attention(q, seq_lens=kv.seq_lens, block_tables=kv.block_tables, scale=0.2,
                          **args)  # fmt: skip
     with pytest.raises(ValueError, match=message):
-        prefill_attention(q, cu_seqlens_q=_cu([1]), seq_lens=kv.seq_lens,
+        prefill_attention(q, cu_seqlens_q=cu_of([1]), seq_lens=kv.seq_lens,
                           block_tables=kv.block_tables, scale=0.2, **args)  # fmt: skip
 
 

@@ -15,7 +15,7 @@ import gc
 
 import pytest
 import torch
-from tensor_checks import assert_close, capture_graph
+from tensor_checks import assert_close, capture_graph, cu_of
 
 from kernels import reference
 from kernels.kv_quant import (
@@ -210,8 +210,7 @@ def test_prefill_fp8_bf16(d, page, window, softcap):
     qlens, ctx = [2048, 1, 3000, 700], [30000, 5000, 0, 64]
     first = [max(0, c - window + 1) if window else 0 for c in ctx]
     kv = Fp8Pools([a + b for a, b in zip(qlens, ctx)], hkv, d, page, first)
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")  # fmt: skip
+    cu = cu_of(qlens)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
@@ -249,11 +248,6 @@ def poison(kv: Fp8Pools, lens, page, first=None) -> None:
                 s[blk, :, lo:hi] = float("nan")
 
 
-def _cu(qlens):
-    return torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32,
-                        device="cuda")  # fmt: skip
-
-
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page", [64, 128])
 @pytest.mark.parametrize("per_sm", [1, 0])
@@ -272,7 +266,7 @@ def test_prefill_hopper_fp8_bf16(d, page, per_sm):
     kd, vd = kv.dequantized()
     poison(kv, lens, page)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    cu = _cu(qlens)
+    cu = cu_of(qlens)
     cfg = (*hopper_config(d, torch.bfloat16, page)[:4], per_sm)
     out = torch.full_like(q, float("nan"))
     out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
@@ -302,7 +296,7 @@ def test_prefill_hopper_fp8_window_softcap(d, page):
     kd, vd = kv.dequantized()
     poison(kv, lens, page, first)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    cu = _cu(qlens)
+    cu = cu_of(qlens)
     out = torch.full_like(q, float("nan"))
     out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
                                  max_query_len=max(qlens), out=out, return_lse=True,
@@ -326,7 +320,7 @@ def test_prefill_hopper_fp8_cuda_graph_replay():
     kv = Fp8Pools([3 * n] * bsz, hkv, d, page)  # room for 3n tokens a sequence
     clean = [x.clone() for x in (kv.k, kv.k_scale, kv.v, kv.v_scale)]
     q = torch.randn(bsz * n, hq, d, device="cuda", dtype=torch.bfloat16)
-    cu = _cu([n] * bsz)
+    cu = cu_of([n] * bsz)
     kv.bt.zero_()
     kv.sl.fill_(n)
 
@@ -359,7 +353,7 @@ def test_prefill_auto_takes_hopper_over_fp8():
     for page in (16, 64, 128):
         kv = Fp8Pools([3000], 8, 128, page)
         q = torch.randn(3000, 32, 128, device="cuda", dtype=torch.bfloat16)
-        args = (q, kv.k, kv.v, _cu([3000]), kv.sl, kv.bt, 0.088)
+        args = (q, kv.k, kv.v, cu_of([3000]), kv.sl, kv.bt, 0.088)
         auto = prefill_attention(*args, max_query_len=3000, path="auto", **kv.scales)
         picked = "hopper" if sm90 and page >= 64 else "portable"
         same = prefill_attention(*args, max_query_len=3000, path=picked, **kv.scales)
@@ -378,7 +372,7 @@ def test_prefill_hopper_fp8_sweep_configs_are_right(d):
     lens = [a + b for a, b in zip(qlens, ctx)]
     kv = Fp8Pools(lens, 8, d, 128)
     q = torch.randn(sum(qlens), 32, d, device="cuda", dtype=torch.bfloat16)
-    cu = _cu(qlens)
+    cu = cu_of(qlens)
     kd, vd = kv.dequantized()
     ref = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5)
     for cfg in HOPPER_CONFIGS[d] + HOPPER_FP8_CONFIGS[d]:

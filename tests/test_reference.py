@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tensor_checks import assert_close
+from tensor_checks import assert_close, cu_of
 
 from kernels import reference as ref
 
@@ -100,7 +100,7 @@ def _batch(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: int, bs:
         slots = (tables[i, :n].long()[:, None] * bs + torch.arange(bs)).flatten()[: k.shape[0]]
         kp.view(-1, hkv, d)[slots], vp.view(-1, hkv, d)[slots] = k, v
     q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_of(q_lens, "cpu")
     return q, kp, vp, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
 
 
