@@ -198,30 +198,41 @@ def test_decode_fp8_every_swept_tile_config(page):
             assert_close(out, ref, DECODE_TOL, f"fp8 decode tiles {cfg} page {page} {kw}")
 
 
+def check_prefill(
+    q, qlens, kv: Fp8Pools, dequantized, what: str, window: int = 0, softcap: float = 0.0, **kw
+) -> None:
+    """Prefill of ``q`` (chunks of ``qlens``) over the fp8 pools ``kv`` into a NaN-filled
+    output (unwritten rows fail), output and LSE against the reference on ``dequantized``
+    (K, V); ``kw``: the kernel's ``path`` and ``config``."""
+    from kernels.prefill import prefill_attention
+
+    d = q.shape[2]
+    cu = cu_of(qlens)
+    out = torch.full_like(q, float("nan"))
+    out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
+                                 max_query_len=max(qlens), out=out, return_lse=True,
+                                 window=window, softcap=softcap, **kv.scales, **kw)  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.float(), *dequantized, cu, kv.sl, kv.bt,
+                                               d**-0.5, return_lse=True, window=window,
+                                               softcap=softcap)  # fmt: skip
+    assert_close(out, ref, BF16_TOL, what)
+    assert_close(lse, ref_lse, LSE_TOL, f"{what}: lse")
+
+
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (4096, 50.0)])
 def test_prefill_fp8_bf16(d, page, window, softcap):
     """Chunks after cached context (a 2K chunk after 30K, a 1-token one, a prompt from
     scratch), fp8 pages under the bf16 prefill tiles."""
-    from kernels.prefill import prefill_attention
 
     hq, hkv = 16, 8
     qlens, ctx = [2048, 1, 3000, 700], [30000, 5000, 0, 64]
     first = [max(0, c - window + 1) if window else 0 for c in ctx]
     kv = Fp8Pools([a + b for a, b in zip(qlens, ctx)], hkv, d, page, first)
-    cu = cu_of(qlens)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
-                                 max_query_len=max(qlens), out=out, return_lse=True,
-                                 window=window, softcap=softcap, **kv.scales)  # fmt: skip
-    kd, vd = kv.dequantized()
-    ref, ref_lse = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5,
-                                               return_lse=True, window=window,
-                                               softcap=softcap)  # fmt: skip
-    assert_close(out, ref, BF16_TOL, f"fp8 prefill d={d} page {page} window {window}")
-    assert_close(lse, ref_lse, LSE_TOL, f"fp8 prefill lse d={d}")
+    check_prefill(q, qlens, kv, kv.dequantized(), f"fp8 prefill d={d} page {page} window "
+                  f"{window}", window=window, softcap=softcap)  # fmt: skip
 
 
 # ---- prefill, the Hopper path over an fp8 cache (path="hopper": e4m3 tiles by TMA copies) ----
@@ -257,7 +268,7 @@ def test_prefill_hopper_fp8_bf16(d, page, per_sm):
     every edge, NaN bytes and scales past each end; output and LSE against the reference
     on the dequantized cache."""
     _skip_off_sm90()
-    from kernels.prefill import hopper_config, prefill_attention
+    from kernels.prefill import hopper_config
 
     hq, hkv = (32, 8) if d == 128 else (16, 4)
     qlens, ctx = [1, 17, 2000, 700, 129], [0, 100, 0, 3000, 64]
@@ -266,16 +277,9 @@ def test_prefill_hopper_fp8_bf16(d, page, per_sm):
     kd, vd = kv.dequantized()
     poison(kv, lens, page)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    cu = cu_of(qlens)
     cfg = (*hopper_config(d, torch.bfloat16, page)[:4], per_sm)
-    out = torch.full_like(q, float("nan"))
-    out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
-                                 max_query_len=max(qlens), out=out, return_lse=True, config=cfg,
-                                 path="hopper", **kv.scales)  # fmt: skip
-    ref, ref_lse = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5,
-                                               return_lse=True)  # fmt: skip
-    assert_close(out, ref, BF16_TOL, f"fp8 hopper prefill d={d} page={page} {cfg}")
-    assert_close(lse, ref_lse, LSE_TOL, f"fp8 hopper prefill lse d={d} page={page} {cfg}")
+    check_prefill(q, qlens, kv, (kd, vd), f"fp8 hopper prefill d={d} page={page} {cfg}",
+                  config=cfg, path="hopper")  # fmt: skip
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -286,7 +290,6 @@ def test_prefill_hopper_fp8_window_softcap(d, page):
     window are NaN (never read), and so are the slots left of the window in its first page
     and past each end (read, and masked)."""
     _skip_off_sm90()
-    from kernels.prefill import prefill_attention
 
     hq, hkv, window, softcap = 16, 8, 4096, 50.0
     qlens, ctx = [2048, 1, 3000, 700], [30000, 5000, 0, 64]
@@ -296,17 +299,8 @@ def test_prefill_hopper_fp8_window_softcap(d, page):
     kd, vd = kv.dequantized()
     poison(kv, lens, page, first)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    cu = cu_of(qlens)
-    out = torch.full_like(q, float("nan"))
-    out, lse = prefill_attention(q, kv.k, kv.v, cu, kv.sl, kv.bt, d**-0.5,
-                                 max_query_len=max(qlens), out=out, return_lse=True,
-                                 window=window, softcap=softcap, path="hopper",
-                                 **kv.scales)  # fmt: skip
-    ref, ref_lse = reference.prefill_attention(q.float(), kd, vd, cu, kv.sl, kv.bt, d**-0.5,
-                                               return_lse=True, window=window,
-                                               softcap=softcap)  # fmt: skip
-    assert_close(out, ref, BF16_TOL, f"fp8 hopper window d={d} page={page}")
-    assert_close(lse, ref_lse, LSE_TOL, f"fp8 hopper window lse d={d} page={page}")
+    check_prefill(q, qlens, kv, (kd, vd), f"fp8 hopper window d={d} page={page}",
+                  window=window, softcap=softcap, path="hopper")  # fmt: skip
 
 
 def test_prefill_hopper_fp8_cuda_graph_replay():
