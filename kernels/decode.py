@@ -119,6 +119,34 @@ def _tile_scales(KS, VS, pages, n0, stride_sb, s_head, PAGE: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _prefetch_rows(ptrs, nbytes):
+    """Asks L2 for ``nbytes`` from each pointer of ``ptrs`` (sm_90's bulk prefetch; each
+    pointer 16-byte aligned, ``nbytes`` a multiple of 16): a hint, with no result to wait
+    for; L2 is where the GPU's writes meet, so a row written after it reads the write."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_off,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WINDOWED: tl.constexpr):  # fmt: skip
+    """Prefetch into L2 the K and V rows of the tiles from ``start`` (a multiple of BLOCK_N)
+    up to ``stop``: one bulk prefetch per token row of this program's KV head. Tokens past
+    ``end`` in a live page read rows of that page; dead pages' entries read 0 (page 0):
+    every address is in the pool."""
+    offs_n = tl.arange(0, BLOCK_N)
+    nbytes = tl.full([BLOCK_N], HEAD_DIM * K.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+    for n0 in range(start, stop, BLOCK_N):
+        pages = _tile_pages(bt, n0, lo, end, PAGE, BLOCK_N, WINDOWED)
+        row = pages * stride_kb + ((n0 + offs_n) % PAGE) * stride_kt + head_off  # [BN]
+        _prefetch_rows(K + row, nbytes)
+        _prefetch_rows(V + row, nbytes)
+
+
+@triton.jit
 def _pow2(e):
     """2^e as float32 for integer ``e`` in [-126, 127], from its exponent bits: exact."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -325,9 +353,10 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     PTX: tl.constexpr,  # compiled for an NVIDIA GPU: inline PTX (the interpreter runs none)
     SCALES_AHEAD: tl.constexpr,  # FP8: load each tile's scales a tile ahead (_tile_scales)
+    PREFETCH: tl.constexpr,  # PDL_WAIT: tokens of the split prefetched into L2 before the wait
 ):
-    if PDL_WAIT:  # launched early (PDL): the previous kernel's outputs are ready after this
-        tl.extra.cuda.gdc_wait()
+    if PDL_WAIT and PREFETCH == 0:  # launched early (PDL): the previous kernel's outputs are
+        tl.extra.cuda.gdc_wait()  # ready after this
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -343,6 +372,19 @@ def _decode_split_kernel(
     split_len = tl.maximum(split_len, min_split)
     start = base + split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    bt = BlockTables + b.to(tl.int64) * stride_btb
+    head_off = hkv.to(tl.int64) * stride_kh
+    if PDL_WAIT and PREFETCH > 0:
+        # Launched while the kernels before it run (PDL; the RoPE kernel lets it launch before
+        # its own wait): the step's inputs (lengths, block tables) and the cache's earlier rows
+        # are there already, so the split's first tiles go to L2 now, in the time the QKV
+        # GEMV's last wave and the RoPE kernel leave the memory half idle, and the loop below
+        # finds them there. Only the new token's row is written meanwhile (the RoPE kernel),
+        # which L2 keeps coherent.
+        stop = tl.minimum(end, start + PREFETCH)
+        _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_off,
+                        HEAD_DIM, PAGE, BLOCK_N, WINDOWED)  # fmt: skip
+        tl.extra.cuda.gdc_wait()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -360,8 +402,6 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt = BlockTables + b.to(tl.int64) * stride_btb
-    head_off = hkv.to(tl.int64) * stride_kh
     # The block-table entries of each tile are loaded one tile ahead (carried in `pages`): the
     # K/V addresses of a tile never wait on a block-table load issued in the same iteration,
     # and the pipeliner keeps num_stages - 1 K/V tiles in flight (Triton 3.6, sm_90: 2 buffers
@@ -477,6 +517,9 @@ class DecodeTuning:
     # stages_for: splits up to this many tokens run with one pipeline stage fewer.
     short_split_tokens: int = 4096
     max_splits: int = 256  # the heuristic's cap on splits per sequence
+    # Tokens of each split prefetched into L2 before the in-kernel wait of a chained launch
+    # (``_prefetch_split``), rounded up to whole tiles; 0: none. NOT MEASURED yet.
+    prefetch_tokens: int = 256
     # Programmatic dependent launch (sm_90+): stage 1 is launched while the kernel before it
     # (rope_write_kv, which triggers early) runs, and waits for it in-kernel. On / off, fused
     # merge: B=1/4K 12.3 / 12.5, 16K 30.7 / 31.0, B=8/4K 53.2 / 53.6 (kernels-notes.md run 5).
@@ -494,6 +537,9 @@ class DecodeTuning:
         for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefetch_tokens < 0:
+            raise ValueError(f"DecodeTuning.prefetch_tokens must be >= 0, "
+                             f"got {self.prefetch_tokens}")  # fmt: skip
         if self.short_split_tokens < 0:
             raise ValueError(f"DecodeTuning.short_split_tokens must be >= 0, "
                              f"got {self.short_split_tokens}")  # fmt: skip
@@ -748,7 +794,7 @@ def decode_attention(
     launch = functools.partial(
         _launch, q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out,
         lse, counters, scale, window, softcap, plan, per_sm, return_lse, split_size is not None,
-        chain,
+        chain, prefetch=tuning.prefetch_tokens,
     )  # fmt: skip
     _launch_maybe_pdl(q.device, tuning.pdl, launch)
     return (out, lse) if return_lse else out
@@ -793,11 +839,12 @@ def _merge_per_thread(per_sm: int, num_warps: int) -> int:
 
 def _launch(
     q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out, lse,
-    counters, scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, pdl,
+    counters, scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, prefetch, pdl,
 ):  # fmt: skip
     """Stage 1, merging in its last program per (sequence, KV head); launched early (PDL) when
-    ``pdl``, and then letting the next kernel launch early too when ``chain``. ``scales``:
-    an fp8 cache's (k_scale, v_scale), else None."""
+    ``pdl``, and then letting the next kernel launch early too when ``chain``, and prefetching
+    ``prefetch`` tokens a split before its wait (``DecodeTuning.prefetch_tokens``) when both.
+    ``scales``: an fp8 cache's (k_scale, v_scale), else None."""
     bsz, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     block_n, num_warps, num_stages = plan.tiles
@@ -813,6 +860,7 @@ def _launch(
     merge_h = triton.next_power_of_2(group)
     merge_s = _merge_chunk(merge_h, block_d, fixed, _merge_per_thread(per_sm, num_warps))
     extra = {"launch_pdl": True} if pdl else {}
+    row_bytes = d * k_cache.element_size()  # the bulk prefetch's unit: multiples of 16 bytes
     k_scale, v_scale = scales or (k_cache, v_cache)  # unread without FP8
     _decode_split_kernel[(bsz, hkv, plan.splits)](
         q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_tables, part_out, part_lse, out,
@@ -831,6 +879,7 @@ def _launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PTX=q.is_cuda and torch.version.hip is None,
         SCALES_AHEAD=scales_ahead(scales is not None, block_n, num_warps),
+        PREFETCH=-(-prefetch // block_n) * block_n if pdl and chain and row_bytes % 16 == 0 else 0,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
 

@@ -210,7 +210,9 @@ def _rope_write_kv_kernel(
 ):
     """Program (t, j): token t's query heads [j QH, (j + 1) QH) for j < cdiv(HQ, QH), else its
     KV heads [i KH, (i + 1) KH), i = j - cdiv(HQ, QH)."""
-    pdl_enter(CHAIN, PDL)  # PDL: the attention kernel after this one may start; it waits
+    # PDL: the attention kernel after this one may start (before this one's wait in the
+    # chain: its L2 prefetch reads only earlier rows, kernels.decode); it waits for this one
+    pdl_enter(CHAIN, PDL, EARLY=True)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     pos = tl.load(Pos + t)

@@ -234,7 +234,8 @@ def test_decode_tuning_sizes_the_splits():
      ({"tiles": (64, 3, 3)}, "tiles"), ({"tiles": (64, 4, 0)}, "tiles"),
      ({"tiles": (64, 4)}, "tiles"), ({"programs_per_sm": 0}, "programs_per_sm"),
      ({"min_split_tokens": 0}, "min_split_tokens"), ({"max_splits": 0}, "max_splits"),
-     ({"short_split_tokens": -1}, "short_split_tokens")],
+     ({"short_split_tokens": -1}, "short_split_tokens"),
+     ({"prefetch_tokens": -1}, "prefetch_tokens")],
 )  # fmt: skip
 def test_decode_tuning_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -261,12 +262,12 @@ def test_decode_remembers_a_refused_pdl_launch(monkeypatch):
     monkeypatch.setattr(decode, "_PDL_REFUSED", set())
     real, asked = decode._launch, []
 
-    def launch(*args, pdl):
+    def launch(*args, pdl, **kwargs):
         chain = args[-1]
         asked.append((pdl, chain))
         if pdl:
             raise RuntimeError("launch_pdl: unexpected keyword")
-        real(*args, pdl=False)
+        real(*args, pdl=False, **kwargs)
 
     monkeypatch.setattr(decode, "_launch", launch)
     kv = Paged([300, 17], 2, 64, 16, torch.float16)

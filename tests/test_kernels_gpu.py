@@ -142,6 +142,25 @@ def test_decode_page_and_tile_edges_bf16(page):
         assert_close(out, ref, BF16_TOL, f"decode {page=} {kw}")
 
 
+@pytest.mark.parametrize("page, window", [(16, 0), (128, 0), (16, 1000)])
+def test_decode_l2_prefetch_does_not_change_the_result(page, window):
+    """The chained launch's L2 prefetch before the wait (``DecodeTuning.prefetch_tokens``)
+    reads nothing into the result: bit-identical output and LSE with none, part of a split
+    and more than a split prefetched, and right."""
+    from kernels.decode import DecodeTuning, decode_attention
+
+    k, v, bt, sl = paged([4096, 1000, 17, 3001], 8, 128, page)
+    q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    runs = [decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, return_lse=True,
+                             window=window, tuning=DecodeTuning(prefetch_tokens=n))
+            for n in (0, 64, 100, 1 << 20)]  # fmt: skip
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+    ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088,
+                                     window=window)  # fmt: skip
+    assert_close(runs[1][0], ref, BF16_TOL, f"decode with an L2 prefetch, {page=} {window=}")
+
+
 def test_decode_stage_count_does_not_change_the_result():
     """The heuristic runs short splits with one pipeline stage fewer: bit-identical output and
     LSE to the longer pipeline (only when loads are issued changes), and right."""
