@@ -518,8 +518,12 @@ class DecodeTuning:
     short_split_tokens: int = 4096
     max_splits: int = 256  # the heuristic's cap on splits per sequence
     # Tokens of each split prefetched into L2 before the in-kernel wait of a chained launch
-    # (``_prefetch_split``), rounded up to whole tiles; 0: none. NOT MEASURED yet.
-    prefetch_tokens: int = 256
+    # (``_prefetch_split``), rounded up to whole tiles; 0: none. H200, bench decode batch 1, ms
+    # per step at 4K / 32K (docs/benchmarks/decode.md, 2026-11-27): Gemma 3 12B none 6.614 /
+    # 7.023, 64 6.577 / 6.978, 256 6.684 / 7.082; Qwen3 8B 4.395 / 5.315, 4.374 / 5.280,
+    # 4.609 / 5.446; Llama 3.1 8B none 4.205 / 5.059, 256 4.427 / 5.230. A tile a split helps;
+    # whole 4K contexts in L2 ahead of the QKV GEMV's last wave cost up to 5%.
+    prefetch_tokens: int = 64
     # Programmatic dependent launch (sm_90+): stage 1 is launched while the kernel before it
     # (rope_write_kv, which triggers early) runs, and waits for it in-kernel. On / off, fused
     # merge: B=1/4K 12.3 / 12.5, 16K 30.7 / 31.0, B=8/4K 53.2 / 53.6 (kernels-notes.md run 5).

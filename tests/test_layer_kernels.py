@@ -352,10 +352,11 @@ def test_pdl_chain_is_asked_for_and_needs_the_device(monkeypatch):
 @pytest.mark.parametrize("chain", [True, False])
 def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
     """``load_backend("triton", pdl_chain=...)`` (EngineConfig.pdl_chain): each chained
-    operation that runs here launches with that switch (``linear`` runs its kernel on CUDA
-    only, so ``linear_act_and_mul`` here is ``linear`` then the activation kernel; decode:
-    tests/test_kernels.py)."""
+    operation that runs here launches with that switch (``linear_act_and_mul`` is the fused
+    GEMV on CUDA, ``linear`` then the activation kernel on the CPU: one chained launch either
+    way; decode: tests/test_kernels.py)."""
     import kernels.activation
+    import kernels.gemv
     import kernels.norm
     import kernels.rope
     from flashserve.models.attention import load_backend
@@ -366,7 +367,7 @@ def test_triton_backend_passes_its_pdl_chain_switch(monkeypatch, chain):
         seen.append(asked)
         return {"CHAIN": False}
 
-    for module in (kernels.activation, kernels.norm, kernels.rope):
+    for module in (kernels.activation, kernels.gemv, kernels.norm, kernels.rope):
         monkeypatch.setattr(module, "pdl_kwargs", record)
     ops = load_backend("triton", pdl_chain=chain)
     x, w = torch.randn(2, 64, device=DEVICE), torch.ones(64, device=DEVICE)
