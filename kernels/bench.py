@@ -469,7 +469,7 @@ DECODE_CONFIGS = [  # DecodeTuning.tiles; the first is decode_config's default
 # bytes; the first is DecodeTuning.fp8_tiles. Compile reports of each: tests/sm90_compile.py
 # --fp8-configs (docs/benchmarks/fp8.md).
 FP8_DECODE_CONFIGS = [
-    (128, 8, 3), (128, 8, 2), (128, 8, 4), (128, 4, 3), (128, 4, 2), (128, 4, 4),
+    (128, 4, 3), (128, 8, 3), (128, 8, 2), (128, 8, 4), (128, 4, 2), (128, 4, 4),
     (64, 4, 4), (64, 4, 3), (64, 4, 5), (64, 4, 6), (64, 8, 4), (64, 8, 6),
 ]  # fmt: skip
 PREFILL_CONFIGS = {  # head dim: [(BLOCK_M, BLOCK_N, num_warps, num_stages)]

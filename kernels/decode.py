@@ -493,15 +493,13 @@ class DecodeTuning:
     wide_tiles: tuple[int, int, int] = (64, 4, 3)
     # Stage 1's tiles over an fp8 cache read with f16 dots (16-bit queries; head dims up to
     # 128, wider ones take wide_tiles), at every split length; None: decode_config's, the
-    # 16-bit caches' rule. NOT MEASURED: chosen by compile report (sm_90, Triton 3.6, head dim
-    # 128; the KV loop's SASS per warp and 32 KB of K/V read; docs/benchmarks/fp8.md): (128, 8,
-    # 3) 578, every load copied ahead (cp.async), 2 tiles (64 KB) in flight, 105 KB of shared
-    # memory (2 programs per SM), 128 registers, no spills; (64, 4, 4) 1,196 (twice 598) for
-    # half the warps, 48 KB in flight; (128, 4, 3) 911, but one scale a thread: its scale
-    # loads stay synchronous in the loop. bf16's (64, 4, 4): 438, 96 KB in flight. A 128-token
-    # e4m3 tile carries a 64-token bf16 tile's bytes. `kernels.bench --kv-dtype fp8 --sweep
-    # decode-config,splits` decides (its FP8_DECODE_CONFIGS).
-    fp8_tiles: tuple[int, int, int] | None = (128, 8, 3)
+    # 16-bit caches' rule. H100, `kernels.bench --kv-dtype fp8 --sweep decode-config` (graph
+    # replay, µs at B=1/128K, B=8/16K (273 MB each), B=32/128K; docs/benchmarks/fp8.md,
+    # 2026-11-27): (128, 4, 3) 109.4 / 109.3 / 3,178 (83 / 83 / 91% of the copy bandwidth),
+    # with its scales loaded a tile ahead (``scales_ahead``); (128, 8, 3) 118.0 / 118.7 /
+    # 3,229; (64, 4, 4) 120.5 / 124.2 / 3,706; the rest of the sweep slower still. A 128-token
+    # e4m3 tile carries a 64-token bf16 tile's bytes.
+    fp8_tiles: tuple[int, int, int] | None = (128, 4, 3)
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
     # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
