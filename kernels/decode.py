@@ -50,7 +50,10 @@ choices); variants that lost their measurements are gone, their numbers kept in
 docs/benchmarks/kernels-notes.md ("Deleted variants"). On sm_90+ the kernel uses programmatic
 dependent launch: it is scheduled while its predecessor (``rope_write_kv``) runs and waits for
 it in-kernel (``gdc_wait``) before touching memory; with ``chain=`` (the decode layer's PDL
-chain, ``kernels.common``) it lets the next kernel launch once its KV loop is done.
+chain, ``kernels.common``) it first asks L2 for each split's first KV tile (the cache's earlier
+rows, the block tables and lengths are the step's inputs, there before the step starts;
+``DecodeTuning.prefetch_tokens``), then waits, and lets the next kernel launch once its KV loop
+is done.
 """
 
 from __future__ import annotations
