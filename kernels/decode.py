@@ -380,10 +380,10 @@ def _decode_split_kernel(
     if PDL_WAIT and PREFETCH > 0:
         # Launched while the kernels before it run (PDL; the RoPE kernel lets it launch before
         # its own wait): the step's inputs (lengths, block tables) and the cache's earlier rows
-        # are there already, so the split's first tiles go to L2 now, in the time the QKV
-        # GEMV's last wave and the RoPE kernel leave the memory half idle, and the loop below
-        # finds them there. Only the new token's row is written meanwhile (the RoPE kernel),
-        # which L2 keeps coherent.
+        # are there already, so the split's first tiles go to L2 now, during the QKV GEMV's
+        # last wave and the RoPE kernel, and the loop below finds them there (measured:
+        # DecodeTuning.prefetch_tokens). Only the new token's row is written meanwhile (by
+        # the RoPE kernel), which L2 keeps coherent.
         stop = tl.minimum(end, start + PREFETCH)
         _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_off,
                         HEAD_DIM, PAGE, BLOCK_N, WINDOWED)  # fmt: skip
