@@ -381,6 +381,7 @@ def summary(kernel) -> dict:
         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+        **pdl_order(kernel),
         "loop_loads": re.findall(r"tt\.load [^:]*: (tensor<[^>]*>)", loop),
         "loop": loop_mix(kernel),
         "inner_loops": inner_loops(kernel),
@@ -518,6 +519,18 @@ def ptx_sync(kernel) -> dict:
     )
     return {"atom": dict(sorted(atoms.items())), "ld_cg": len(re.findall(r"ld\.global\.cg", ptx)),
             "bar_sync": len(re.findall(r"bar\.sync|barrier\.sync", ptx))}  # fmt: skip
+
+
+def pdl_order(kernel) -> dict:
+    """The PDL protocol in a kernel's PTX: its ``griddepcontrol`` instructions in order, and
+    what it does before its first wait (when the kernel before it may still run): its global
+    loads by opcode (``ld.global.b32``: a 32-bit scalar a thread) and its L2 prefetches."""
+    ptx = kernel.asm["ptx"].split(".section")[0]
+    head = ptx.split("griddepcontrol.wait")[0]
+    loads = re.findall(r"\b(ld\.global[\w.]*)", head)
+    prefetches = len(re.findall(r"cp\.async\.bulk\.prefetch", head))
+    return {"pdl": re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx),
+            "before_wait": {"loads": loads, "l2_prefetch": prefetches}}  # fmt: skip
 
 
 def fp8_configs() -> dict:
