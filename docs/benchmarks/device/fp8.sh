@@ -1,0 +1,31 @@
+# Issue 15 on one GPU, one call a phase (docs/benchmarks/fp8.md says what each settles):
+#   PHASE=gemv: the fp8 GEMV at the heuristic's tiles against bf16 (kernels.bench_fp8), then its
+#     sweep (tiles, K splits) per layout and shape, per-channel scales first, as far as the
+#     time goes; each config checked against float64 first
+#   PHASE=e2e: bench decode of dummy:llama3.1-8b at batch 1, 4K / 32K / 128K: bf16, the fp8 KV
+#     cache, fp8 weights + fp8 KV, then bf16 again (each its own process)
+#   run: PHASE=gemv bash docs/benchmarks/device/fp8.sh     carry: [".whl"]
+LIMIT=${LIMIT:-575}
+source docs/benchmarks/device/setup.sh
+if [ "${PHASE:-}" = gemv ]; then
+  step pick 90 python3 -m kernels.bench_fp8 --json "$OUT/fp8-gemv-pick.json"
+  S="python3 -m kernels.bench_fp8 --sweep"
+  step ch1 120 $S --layouts fp8-channel --shapes qkv,o_proj --json "$OUT/sweep-ch-1.json"
+  step ch2 120 $S --layouts fp8-channel --shapes gate_up,down --json "$OUT/sweep-ch-2.json"
+  step blk1 120 $S --layouts fp8-block --shapes qkv,o_proj --json "$OUT/sweep-blk-1.json"
+  step blk2 120 $S --layouts fp8-block --shapes gate_up,down --json "$OUT/sweep-blk-2.json"
+  for f in pick ch1 ch2 blk1 blk2; do
+    echo "== $f"; grep -v '^  {' "$OUT/$f.log" | grep -E "^[a-z_]+ +[0-9]+ \||copy" | head -12
+  done
+elif [ "${PHASE:-}" = e2e ]; then
+  B="python3 -m flashserve bench decode --model dummy:llama3.1-8b --batch 1 --steps 32 --no-peer"
+  B="$B --no-progress --max-num-seqs 1 --context 4096,32768,131072"
+  step bf16 70 $B --json "$OUT/bf16.json"
+  step kv_fp8 70 $B --kv-cache-dtype fp8 --json "$OUT/kv_fp8.json"
+  step w_kv_fp8 90 $B --kv-cache-dtype fp8 --quantization fp8 --json "$OUT/w_kv_fp8.json"
+  step bf16_again 70 $B --json "$OUT/bf16_again.json"
+  for f in bf16 kv_fp8 w_kv_fp8 bf16_again; do echo "== $f"; grep -E "^[0-9]" "$OUT/$f.log"; done
+else
+  echo "PHASE must be gemv or e2e"; exit 2
+fi
+pack
