@@ -4,6 +4,10 @@
 #     time goes; each config checked against float64 first
 #   PHASE=e2e: bench decode of dummy:llama3.1-8b at batch 1, 4K / 32K / 128K: bf16, the fp8 KV
 #     cache, fp8 weights + fp8 KV, then bf16 again (each its own process)
+#   PHASE=accuracy: bench accuracy on the default model (bf16, Triton, CUDA graphs): fp8 KV,
+#     fp8 weights and both against bf16 (fp8.md's CPU table, on the GPU); needs the model's two
+#     halves: run it right after a call that carried .carry/gguf.1 (verify.sh PHASE=kernels),
+#     carrying .carry/gguf.2
 #   run: PHASE=gemv bash docs/benchmarks/device/fp8.sh     carry: [".whl"]
 LIMIT=${LIMIT:-575}
 source docs/benchmarks/device/setup.sh
@@ -25,7 +29,13 @@ elif [ "${PHASE:-}" = e2e ]; then
   step w_kv_fp8 90 $B --kv-cache-dtype fp8 --quantization fp8 --json "$OUT/w_kv_fp8.json"
   step bf16_again 70 $B --json "$OUT/bf16_again.json"
   for f in bf16 kv_fp8 w_kv_fp8 bf16_again; do echo "== $f"; grep -E "^[0-9]" "$OUT/$f.log"; done
+elif [ "${PHASE:-}" = accuracy ]; then
+  A="python3 -m flashserve bench accuracy"
+  step acc_kv 150 $A --kv-cache-dtype fp8 --json "$OUT/acc-kv.json"
+  step acc_w 150 $A --quantization fp8 --json "$OUT/acc-w.json"
+  step acc_both 150 $A --kv-cache-dtype fp8 --quantization fp8 --json "$OUT/acc-both.json"
+  for f in acc_kv acc_w acc_both; do echo "== $f"; tail -12 "$OUT/$f.log"; done
 else
-  echo "PHASE must be gemv or e2e"; exit 2
+  echo "PHASE must be gemv, e2e or accuracy"; exit 2
 fi
 pack
