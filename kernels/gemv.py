@@ -70,8 +70,8 @@ from kernels.fp8 import fp8_linear
 MAX_M = 16
 # _linear_kernel's GATED: the activation of a gated MLP's fused gate/up projection, by the
 # name ``ModelConfig.hidden_act`` gives it
-GATED_SILU, GATED_GELU_TANH = tl.constexpr(1), tl.constexpr(2)
 GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
+_GATED_GELU_TANH = tl.constexpr(GATED_ACTS["gelu_tanh"])  # a jit function reads constexprs
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def _store_out(acc, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_o
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:  # [BM, BN] -> [BM, BN/2]: the gate and up sums of one output column side by side
         gate, up = tl.split(tl.reshape(acc, [acc.shape[0], acc.shape[1] // 2, 2]))
-        acc = gate_act(gate, GATED == GATED_GELU_TANH, LIBDEVICE) * up
+        acc = gate_act(gate, GATED == _GATED_GELU_TANH, LIBDEVICE) * up
     offs_o = col0 + tl.arange(0, acc.shape[1])
     ptrs = Out + offs_m[:, None] * stride_om + offs_o[None, :]
     mask = (offs_m < M)[:, None] & (offs_o < n_out)[None, :]

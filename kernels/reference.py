@@ -117,8 +117,10 @@ def linear_act_and_mul(
 ) -> torch.Tensor:  # [T, I]
     """A gated MLP's fused gate/up projection and its activation: ``act(gate) * up`` of
     ``linear(x, weight, bias, weight_scale)``, rounding where the two calls round."""
-    act_and_mul = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[act]
-    return act_and_mul(linear(x, weight, bias, weight_scale))
+    return _ACT_AND_MUL[act](linear(x, weight, bias, weight_scale))
+
+
+_ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 
 def apply_rope(

@@ -375,8 +375,7 @@ class _Fused:
         ``[ROWS, hidden]`` at its fixed offset (ValueError when it does not fit)."""
         key = (hidden, dtype)
         if key not in self.folds:
-            size = torch.finfo(dtype).bits // 8
-            if FOLD_ROWS * hidden * size > FOLD_SLOT_BYTES:
+            if FOLD_ROWS * hidden * dtype.itemsize > FOLD_SLOT_BYTES:
                 raise ValueError(f"tp_all_reduce fused: {FOLD_ROWS} rows of {hidden} {dtype} "
                                  f"do not fit its slots of {FOLD_SLOT_BYTES} bytes")  # fmt: skip
             views = [self._slots(b, hidden, dtype) for b in (self.buf, self.peer_buf)]
@@ -390,7 +389,7 @@ class _Fused:
     def _slots(buf: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """``[2, ROWS, hidden]`` of ``dtype`` over the two slots of ``buf`` (bytes)."""
         slots = buf[_FOLD_HEADER_BYTES:].view(2, FOLD_SLOT_BYTES)
-        used = FOLD_ROWS * hidden * (torch.finfo(dtype).bits // 8)
+        used = FOLD_ROWS * hidden * dtype.itemsize
         return slots[:, :used].view(dtype).view(2, FOLD_ROWS, hidden)
 
     def check(self, group: TPGroup) -> str | None:
