@@ -38,7 +38,8 @@ W_SCALE = {"bf16": 0, "fp8-channel": 1, "fp8-block": 2}
 _SWEEP = [
     (128, 128, 2, 4), (128, 256, 2, 3), (64, 256, 2, 4), (64, 128, 2, 6), (64, 256, 1, 3),
     (32, 256, 1, 4), (64, 256, 4, 4), (64, 256, 4, 3), (64, 512, 4, 3), (64, 128, 4, 6),
-    (128, 128, 8, 4), (128, 256, 8, 3), (16, 256, 1, 6),
+    (128, 128, 8, 4), (128, 256, 8, 3), (16, 256, 1, 6), (32, 256, 2, 4), (32, 128, 1, 6),
+    (16, 512, 1, 4),
 ]  # fmt: skip
 SPLITS = (2, 4)
 
@@ -73,12 +74,12 @@ def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[
 
 
 def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: float,
-                sweep: bool) -> list[dict]:  # fmt: skip
+                sweep: bool, ms: tuple[int, ...] = MS) -> list[dict]:  # fmt: skip
     one = nbytes(1, n, k, *weights(layout, n, k, 1)[0])
     copies = 1 if SMOKE else max(2, math.ceil(ROTATE_BYTES / one))
     ws = weights(layout, n, k, copies)
     rows = []
-    for m in MS:
+    for m in ms:
         xs = torch.randn(copies, m, k, device=DEV, dtype=DT)
         outs = torch.empty(copies, m, n, device=DEV, dtype=DT)
         w0, s0 = ws[0]
@@ -136,13 +137,15 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "lm_head"),
                     help="comma-separated shape names (kernels.bench_gemv.SHAPES)")  # fmt: skip
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="bf16,fp8-channel,fp8-block")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="batch rows, e.g. 1,8")
     args = ap.parse_args(argv)
     t0, sms, meta, copy_gbs = start()
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         for layout in args.layouts.split(","):
-            rows += bench_point(layout, name, n, k, sms, copy_gbs, args.sweep)
+            rows += bench_point(layout, name, n, k, sms, copy_gbs, args.sweep,
+                                tuple(int(m) for m in args.ms.split(",")))
             torch.cuda.empty_cache() if not SMOKE else None
     print_table(rows, copy_gbs)
     finish(t0, meta, copy_gbs, rows, args.json)

@@ -1,7 +1,7 @@
 # Issue 15 on one GPU, one call a phase (docs/benchmarks/fp8.md says what each settles):
 #   PHASE=gemv: the fp8 GEMV at the heuristic's tiles against bf16 (kernels.bench_fp8), then its
 #     sweep (tiles, K splits) per layout and shape, per-channel scales first, as far as the
-#     time goes; each config checked against float64 first
+#     time goes; each config checked against float64 first; MS: the batch rows (default 1,8)
 #   PHASE=e2e: bench decode of dummy:llama3.1-8b at batch 1, 4K / 32K / 128K: bf16, the fp8 KV
 #     cache, fp8 weights + fp8 KV, then bf16 again (each its own process)
 #   PHASE=accuracy: bench accuracy on the default model (bf16, Triton, CUDA graphs): fp8 KV,
@@ -12,8 +12,8 @@
 LIMIT=${LIMIT:-575}
 source docs/benchmarks/device/setup.sh
 if [ "${PHASE:-}" = gemv ]; then
-  step pick 90 python3 -m kernels.bench_fp8 --json "$OUT/fp8-gemv-pick.json"
-  S="python3 -m kernels.bench_fp8 --sweep"
+  step pick 90 python3 -m kernels.bench_fp8 --ms "${MS:-1,8}" --json "$OUT/fp8-gemv-pick.json"
+  S="python3 -m kernels.bench_fp8 --sweep --ms ${MS:-1,8}"
   step ch1 120 $S --layouts fp8-channel --shapes qkv,o_proj --json "$OUT/sweep-ch-1.json"
   step ch2 120 $S --layouts fp8-channel --shapes gate_up,down --json "$OUT/sweep-ch-2.json"
   step blk1 120 $S --layouts fp8-block --shapes qkv,o_proj --json "$OUT/sweep-blk-1.json"
