@@ -57,6 +57,8 @@ its own), so replays need no memset. Calls on one device must not overlap in tim
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -352,28 +354,45 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
     return max(1, min(triton.cdiv(num_sms, tiles_n), k // max(_MIN_SPLIT_K, block_k)))
 
 
-# float8 weights (W_SCALE 1, 2), every M on tl.dot: not measured yet (GPU sweep: ``python -m
-# kernels.bench_fp8 --sweep``). Picked from sm_90 compile reports (Triton 3.6,
-# tests/sm90_compile.py): SASS instructions per byte of weight in the main loop at M = 1, per
-# channel / block scales, against 3.5 / 4.0 for the fp32 FMA loop this replaced and 2.0 for
-# bf16 weights' (4, 2048):
-# - mma.sync, 2 warps of 64 rows (128, 128, 2 warps): 1.44 / 1.55, 179 / 196 registers (x's
-#   fragments are converted once per warp and K step: 64 rows share them). Only where its
-#   128-row tiles still give every SM one (gate_up, lm_head): below, the tiles are too few and
-#   split K would cost its ~1.5 us (bf16's measurement above).
-# - wgmma, 4 warps over 64 rows (64, 256, 4 warps): 2.15 / 2.84 (the e4m3 operand is read from
-#   shared memory two bytes at a time), 176 / 116 registers.
-# No spills in any. M = 8, per channel: 1.51 (mma.sync), 2.84 (wgmma; 4.3 before).
+# float8 weights (W_SCALE 1, 2), every M on tl.dot (M padded to 16: one tile shape for every M).
+# H200 (132 SMs, copy 4,247 GB/s), M = 1, Llama-3-8B shapes, graph replay, 2026-11-27
+# (`python -m kernels.bench_fp8 --sweep --ms 1`, docs/benchmarks/fp8.md), µs per channel /
+# block scales, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages):
+# - 128-row tiles of 2 warps (mma.sync, 64 rows a warp share x's fragments: 1.54 SASS per
+#   weight byte, the fewest) where they give every SM one: gate_up (224 tiles) 30.0 / 29.3
+#   (92 / 94% of copy; the 1-2 warp 16-32-row tiles 31.4-39.0).
+# - else 16-row tiles of one warp, unsplit, where they give >= 2.5 programs per SM: qkv
+#   (384) 9.8 / 9.1 (the 64-row 4-warp wgmma tile this replaced: 12.2 / 22.5).
+# - else 32-row one-warp tiles split over K to ~3.5 programs per SM: o_proj (128 tiles, 4
+#   splits) 7.6 / 7.0 (was 11.4 / 22.0; unsplit 16-row tiles 9.0+), down 17.4 / 16.9 (was
+#   32.7 / 74.2). A one-warp program streams too little alone: fill the SMs with them.
+# M > 1 (not timed yet): 4 warps over 64 rows (wgmma) below one 128-row tile per SM: x's M
+# rows are in every warp's registers (M = 16 on a one-warp tile spills).
 _FP8_TILE_WIDE = (128, 128, 2, 4)
 _FP8_TILE = (64, 256, 4, 4)
-_FP8_WIDE_TILES_PER_SM = 1.0
+_FP8_TILE_NARROW = (16, 256, 1, 6)
+_FP8_TILE_SPLIT = (32, 128, 1, 6)
+_FP8_NARROW_PROGRAMS_PER_SM = 2.5
+_FP8_SPLIT_PROGRAMS_PER_SM = 3.5
+_FP8_MIN_SPLIT_K = 512  # K elements per split at least (4 tiles)
 
 W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
 
 
-def _fp8_tile(n: int, num_sms: int) -> tuple[int, int, int, int]:
-    wide = triton.cdiv(n, _FP8_TILE_WIDE[0]) >= _FP8_WIDE_TILES_PER_SM * num_sms
-    return _FP8_TILE_WIDE if wide else _FP8_TILE
+def _fp8_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a float8 weight [n, k]."""
+    if triton.cdiv(n, _FP8_TILE_WIDE[0]) >= num_sms:
+        tile, split = _FP8_TILE_WIDE, 1
+    elif m > 1:
+        tile, split = _FP8_TILE, 1
+    elif triton.cdiv(n, _FP8_TILE_NARROW[0]) >= _FP8_NARROW_PROGRAMS_PER_SM * num_sms:
+        tile, split = _FP8_TILE_NARROW, 1
+    else:
+        tile = _FP8_TILE_SPLIT
+        want = math.ceil(_FP8_SPLIT_PROGRAMS_PER_SM * num_sms / triton.cdiv(n, tile[0]))
+        split = max(1, min(want, k // _FP8_MIN_SPLIT_K))
+    block_n, block_k, warps, stages = tile
+    return block_n, block_k, split, warps, stages
 
 
 def gemv_config(
@@ -382,8 +401,8 @@ def gemv_config(
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product;
     ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2) scales."""
     if w_scale != W_SCALE_NONE:
-        tile = _fp8_tile(n, num_sms)
-    elif m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
+        return _fp8_config(m, n, k, num_sms)
+    if m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
         tile = _TILE_M1_NARROW
     elif m == 1:
         pad = triton.cdiv(k, _TILE_M1_LONG[1]) * _TILE_M1_LONG[1] - k

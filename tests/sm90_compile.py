@@ -453,23 +453,27 @@ GLUON_VARIANTS = {
     }.items()
 }  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the heuristic's tiles (kernels.gemv.gemv_config) for
-# bf16 weights (M = 1, M > 1) and fp8 ones: wgmma (4 warps over 64 rows) and mma.sync (2 warps
-# of 64 rows, ``-mma2``)
+# bf16 weights (M = 1, M > 1) and fp8 ones: at M = 1 one warp over 16 rows (mma.sync), unsplit,
+# the same over 32 rows split over K (``-split``); at M > 1 4 warps over 64 rows (wgmma); at
+# every M 2 warps of 64 rows (``-mma2``)
+_FP8_NARROW, _FP8_SPLIT, _FP8_WIDE = (16, 256, 1, 6), (32, 128, 1, 6), (128, 128, 2, 4)
+_FP8_M8 = (64, 256, 4, 4)
 GEMV_VARIANTS = {
     "gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3)),
     "gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3)),
-    "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
-    "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=1),
-    "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", x="fp16", tile=(64, 256, 4, 4),
+    "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=1),
+    "gemv-fp8-channel-m1-split": lambda: gemv_summary("fp8e4nv", tile=_FP8_SPLIT, w_scale=1,
+                                                      split=True),
+    "gemv-fp8-channel-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=_FP8_WIDE, w_scale=1),
+    "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", x="fp16", tile=_FP8_NARROW,
                                                      w_scale=1),
-    "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=(64, 256, 4, 4), w_scale=2),
-    "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=(128, 128, 2, 4), w_scale=2),
-    "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=1),
-    "gemv-fp8-channel-m8-mma2": lambda: gemv_summary("fp8e4nv", m=8, tile=(128, 128, 2, 4),
+    "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=2),
+    "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=_FP8_WIDE, w_scale=2),
+    "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_M8, w_scale=1),
+    "gemv-fp8-channel-m8-mma2": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_WIDE,
                                                      w_scale=1),
-    "gemv-fp8-channel-m16": lambda: gemv_summary("fp8e4nv", m=16, tile=(64, 256, 4, 4),
-                                                 w_scale=1),
-    "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=2),
+    "gemv-fp8-channel-m16": lambda: gemv_summary("fp8e4nv", m=16, tile=_FP8_M8, w_scale=1),
+    "gemv-fp8-block-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_M8, w_scale=2),
 }  # fmt: skip
 # the gated MLP's gate_up with its activation in the epilogue (``linear_small_m(act=...)``;
 # GELU-tanh, the costlier: libdevice's tanh), each at the tile of its ungated twin (the name
@@ -478,11 +482,11 @@ _G = functools.partial(gemv_summary, gated=2)
 GEMV_VARIANTS.update({
     "gemv-gated-bf16-m1": lambda: _G("bf16", tile=(4, 2048, 4, 3)),
     "gemv-gated-bf16-m8": lambda: _G("bf16", m=8, tile=(64, 256, 4, 3)),
-    "gemv-gated-fp8-channel-m1": lambda: _G("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
-    "gemv-gated-fp8-channel-m1-mma2": lambda: _G("fp8e4nv", tile=(128, 128, 2, 4), w_scale=1),
-    "gemv-gated-fp8-block-m1": lambda: _G("fp8e4nv", tile=(64, 256, 4, 4), w_scale=2),
-    "gemv-gated-fp8-block-m1-mma2": lambda: _G("fp8e4nv", tile=(128, 128, 2, 4), w_scale=2),
-    "gemv-gated-fp8-block-m8": lambda: _G("fp8e4nv", m=8, tile=(64, 256, 4, 4), w_scale=2),
+    "gemv-gated-fp8-channel-m1": lambda: _G("fp8e4nv", tile=_FP8_NARROW, w_scale=1),
+    "gemv-gated-fp8-channel-m1-mma2": lambda: _G("fp8e4nv", tile=_FP8_WIDE, w_scale=1),
+    "gemv-gated-fp8-block-m1": lambda: _G("fp8e4nv", tile=_FP8_NARROW, w_scale=2),
+    "gemv-gated-fp8-block-m1-mma2": lambda: _G("fp8e4nv", tile=_FP8_WIDE, w_scale=2),
+    "gemv-gated-fp8-block-m8": lambda: _G("fp8e4nv", m=8, tile=_FP8_M8, w_scale=2),
 })  # fmt: skip
 
 
@@ -494,7 +498,7 @@ FOLD_VARIANTS = {
     "fold-gemv-bf16-m1": lambda: _F("bf16", tile=(4, 2048, 4, 3)),
     "fold-gemv-bf16-m8": lambda: _F("bf16", m=8, tile=(64, 256, 4, 3)),
     "fold-gemv-bf16-m1-split": lambda: _F("bf16", tile=(4, 2048, 4, 3), split=True),
-    "fold-gemv-fp8-channel-m1": lambda: _F("fp8e4nv", tile=(64, 256, 4, 4), w_scale=1),
+    "fold-gemv-fp8-channel-m1": lambda: _F("fp8e4nv", tile=_FP8_NARROW, w_scale=1),
     "fold-norm-bf16": lambda: norm_summary(fold=True),
     "fold-norm-post-bf16": lambda: norm_summary(h=3840, fold=True, post=True),
     "norm-bf16": lambda: norm_summary(),

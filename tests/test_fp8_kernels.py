@@ -226,13 +226,26 @@ def test_fp8_gemv_block_scales_read_none_past_the_row(config):
 
 
 def test_fp8_gemv_heuristic_tiles():
-    """fp8 tiles: no split at Llama-3-8B shapes on an H100, 128x128 blocks' rows shared; every
-    M on tl.dot (BLOCK_N >= 16)."""
+    """fp8 tiles at Llama-3-8B shapes on 132 SMs (the 2026-11-27 sweep): gate_up 2-warp tiles
+    of 128 rows, qkv one-warp 16-row tiles unsplit, o_proj and down 32-row ones split to fill
+    the SMs (M = 1); M > 1 unsplit. Every tile on tl.dot (BLOCK_N >= 16), sharing its 128x128
+    blocks' scale rows, K in whole tiles."""
+    picks = {}
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for m in (1, 8, 16):
             for w_scale in (1, 2):
-                block_n, block_k, split, _, _ = gemv_config(m, n, k, 132, w_scale)
-                assert split == 1 and k % block_k == 0 and 16 <= block_n <= 128, (m, n, k)
+                cfg = gemv_config(m, n, k, 132, w_scale)
+                block_n, block_k, split, _, _ = cfg
+                assert k % block_k == 0 and 16 <= block_n <= 128 and 128 % block_n == 0, cfg
+                assert split == 1 or (m == 1 and 3 * 132 <= split * n // block_n <= 5 * 132)
+                picks[(m, n, k, w_scale)] = cfg
+    assert picks[(1, 28672, 4096, 1)] == (128, 128, 1, 2, 4)
+    assert picks[(1, 6144, 4096, 1)] == (16, 256, 1, 1, 6)
+    assert picks[(1, 4096, 4096, 2)] == (32, 128, 4, 1, 6)
+    assert picks[(1, 4096, 14336, 1)] == (32, 128, 4, 1, 6)
+    assert picks[(8, 4096, 14336, 1)][2] == 1
+    # a short K caps the splits at 512 columns each
+    assert gemv_config(1, 1024, 1024, 132, 1)[2] == 2
 
 
 def test_fp8_gemv_errors():
@@ -300,11 +313,12 @@ def test_fp8_linear_off_cuda_is_the_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096)])
 @pytest.mark.parametrize("m", [1, 2, 8, 16])
 @pytest.mark.parametrize("scales", ["channel", "block"])
 def test_fp8_gemv_llama_shapes_bf16(n, k, m, scales):
-    """Llama-3-8B shapes, the heuristic's tiles (gate_up: mma.sync, the others wgmma)."""
+    """Llama-3-8B shapes, the heuristic's tiles (gate_up: 2-warp mma.sync; at M = 1 qkv
+    one-warp 16-row tiles, o_proj and down 32-row ones split in 4; M > 1 wgmma)."""
     q, scale = _weight(n, k, scales)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -313,10 +327,12 @@ def test_fp8_gemv_llama_shapes_bf16(n, k, m, scales):
 
 
 # one tile of each kind ``kernels.bench_fp8 --sweep`` times: mma.sync with 2 warps of 64 rows and
-# with 1, wgmma with 4 warps (BLOCK_K 256: two block-scale parts, and 128) and 8; unsplit and
-# split in 3
+# with 1, one warp of 16 and 32 rows, wgmma with 4 warps (BLOCK_K 256: two block-scale parts,
+# and 128) and 8; unsplit and split in 3
 SWEEP_KINDS = [
     (128, 128, 2, 4),
+    (16, 256, 1, 6),
+    (32, 128, 1, 6),
     (64, 256, 1, 3),
     (64, 256, 4, 4),
     (64, 128, 4, 6),

@@ -16,7 +16,7 @@ def compiled() -> dict[str, dict]:
 
 def test_every_gemv_variant_compiles_without_spills(compiled):
     """No spill: no stack frame, no local loads or stores in the K loop."""
-    assert len(compiled) == 18 and all(k.startswith("gemv-") for k in compiled), list(compiled)
+    assert len(compiled) == 19 and all(k.startswith("gemv-") for k in compiled), list(compiled)
     for name, row in compiled.items():
         spilled = row["stack_bytes"] + row["local_bytes"]
         assert spilled == 0 and row["loop"]["sass_local"] == 0, (name, row)
@@ -47,14 +47,19 @@ def test_fp8_loops_use_tensor_cores_and_no_fp32_fmas(compiled):
         loop = row["loop"]
         assert loop["mma"] + loop["wgmma"] > 0, (name, loop)
         assert loop["per_byte"]["fma"] <= (0.125 if "block" in name else 0.0), (name, loop)
-        assert loop["per_byte"]["cvt"] <= 1.2, (name, loop)  # the replaced loop: 1.66
+        # the replaced loop: 1.66; one-warp tiles convert x's step for 16-32 rows, not 64
+        one_warp = name.endswith(("-m1", "-m1-split", "-m1-fp16"))
+        assert loop["per_byte"]["cvt"] <= (1.6 if one_warp else 1.2), (name, loop)
 
 
 def test_fp8_batch_one_costs_no_more_instructions_per_byte_than_bf16(compiled):
-    """M = 1, SASS instructions per byte of weight: the mma.sync tile at most bf16's, wgmma's
-    (the e4m3 operand read from shared memory two bytes at a time) within 1.3x of it; both
-    under the replaced loop's 3.5."""
+    """M = 1, SASS instructions per byte of weight: the 64-rows-a-warp tile (mma.sync) at most
+    bf16's; the one-warp tiles of 16 and 32 rows (x's fragments shared by fewer rows) under
+    1.5x of it; all under the replaced loop's 3.5. (Their speed is the grid's, not this:
+    docs/benchmarks/fp8.md, the 2026-11-27 sweep.)"""
     bf16 = compiled["gemv-bf16-m1"]["loop"]["per_byte"]["sass"]
     mma2 = compiled["gemv-fp8-channel-m1-mma2"]["loop"]["per_byte"]["sass"]
-    wgmma = compiled["gemv-fp8-channel-m1"]["loop"]["per_byte"]["sass"]
-    assert mma2 <= bf16 and wgmma <= 1.3 * bf16 and max(mma2, wgmma) < 3.0, (bf16, mma2, wgmma)
+    narrow = compiled["gemv-fp8-channel-m1"]["loop"]["per_byte"]["sass"]
+    split = compiled["gemv-fp8-channel-m1-split"]["loop"]["per_byte"]["sass"]
+    assert mma2 <= bf16 and max(narrow, split) <= 1.5 * bf16, (bf16, mma2, narrow, split)
+    assert max(mma2, narrow, split) < 3.0, (mma2, narrow, split)

@@ -4,6 +4,7 @@
 #     time goes; each config checked against float64 first; MS: the batch rows (default 1,8)
 #   PHASE=e2e: bench decode of dummy:llama3.1-8b at batch 1, 4K / 32K / 128K: bf16, the fp8 KV
 #     cache, fp8 weights + fp8 KV, then bf16 again (each its own process)
+#   PHASE=tiles: the fp8 GEMV's GPU tests and its table at the heuristic's tiles, then e2e
 #   PHASE=accuracy: bench accuracy on the default model (bf16, Triton, CUDA graphs): fp8 KV,
 #     fp8 weights and both against bf16 (fp8.md's CPU table, on the GPU); needs the model's two
 #     halves: run it right after a call that carried .carry/gguf.1 (verify.sh PHASE=kernels),
@@ -21,13 +22,18 @@ if [ "${PHASE:-}" = gemv ]; then
   for f in pick ch1 ch2 blk1 blk2; do
     echo "== $f"; grep -v '^  {' "$OUT/$f.log" | grep -E "^[a-z_]+ +[0-9]+ \||copy" | head -12
   done
-elif [ "${PHASE:-}" = e2e ]; then
+elif [ "${PHASE:-}" = e2e ] || [ "${PHASE:-}" = tiles ]; then
+  if [ "$PHASE" = tiles ]; then  # the GEMV tiles first: their GPU tests, then their table
+    step tests 170 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py -k gemv
+    step pick 60 python3 -m kernels.bench_fp8 --json "$OUT/fp8-gemv-pick.json"
+  fi
   B="python3 -m flashserve bench decode --model dummy:llama3.1-8b --batch 1 --steps 32 --no-peer"
   B="$B --no-progress --max-num-seqs 1 --context 4096,32768,131072"
   step bf16 70 $B --json "$OUT/bf16.json"
   step kv_fp8 70 $B --kv-cache-dtype fp8 --json "$OUT/kv_fp8.json"
   step w_kv_fp8 90 $B --kv-cache-dtype fp8 --quantization fp8 --json "$OUT/w_kv_fp8.json"
   step bf16_again 70 $B --json "$OUT/bf16_again.json"
+  [ "$PHASE" = tiles ] && grep -E "^[a-z_]+ +[0-9]+ \||copy" "$OUT/pick.log"
   for f in bf16 kv_fp8 w_kv_fp8 bf16_again; do echo "== $f"; grep -E "^[0-9]" "$OUT/$f.log"; done
 elif [ "${PHASE:-}" = accuracy ]; then
   A="python3 -m flashserve bench accuracy"
