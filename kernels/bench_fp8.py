@@ -140,12 +140,11 @@ def main(argv=None) -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="batch rows, e.g. 1,8")
     args = ap.parse_args(argv)
     t0, sms, meta, copy_gbs = start()
-    rows = []
+    rows, ms = [], tuple(int(m) for m in args.ms.split(","))
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         for layout in args.layouts.split(","):
-            rows += bench_point(layout, name, n, k, sms, copy_gbs, args.sweep,
-                                tuple(int(m) for m in args.ms.split(",")))
+            rows += bench_point(layout, name, n, k, sms, copy_gbs, args.sweep, ms)
             torch.cuda.empty_cache() if not SMOKE else None
     print_table(rows, copy_gbs)
     finish(t0, meta, copy_gbs, rows, args.json)
