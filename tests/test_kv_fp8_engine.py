@@ -247,3 +247,33 @@ def test_bench_accuracy_refuses_bad_arguments(capsys, extra, message):
     status = main(["bench", "accuracy", "--model", "dummy:tiny", "--device", "cpu", *extra])
     err = capsys.readouterr().err
     assert status == 2 and message in err, err
+
+
+def test_bench_accuracy_frees_each_engine_before_the_next(monkeypatch):
+    """The baseline's engine (its KV pool sized from free device memory on a GPU) is gone
+    when ``measure`` collects and empties the CUDA cache, so the setting's engine finds the
+    memory again: a name kept for the runner left the pool alive past ``empty_cache``, and on
+    an H100 the second engine had no room for a pool."""
+    import gc
+    import weakref
+
+    from flashserve.cli import args as cli
+
+    runners, alive_at_collect = [], []
+    load, collect = cli.load_engine, gc.collect
+
+    def load_and_watch(cls, config):
+        llm = load(cls, config)
+        runners.append(weakref.ref(llm.engine.runner))
+        return llm
+
+    def watched_collect(*args):
+        n = collect(*args)
+        alive_at_collect.append(runners[-1]() is not None)
+        return n
+
+    monkeypatch.setattr(cli, "load_engine", load_and_watch)
+    monkeypatch.setattr(accuracy.gc, "collect", watched_collect)
+    config = EngineConfig(model="dummy:tiny", device="cpu", max_kv_tokens=512)
+    accuracy.measure(config, "one two three four five six seven", 8, ["hello"], 2)
+    assert len(runners) == 1 and alive_at_collect == [False], alive_at_collect

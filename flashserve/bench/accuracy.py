@@ -177,15 +177,15 @@ def measure(config: EngineConfig, text: str, tokens: int, texts: list[str], max_
     from flashserve.sampling.params import SamplingParams
 
     llm = cli.load_engine(LLM, config)
-    try:
-        runner = llm.engine.runner
+    try:  # (no other name for the engine or its runner here: the baseline's KV pool, sized
+        # from free memory, must be gone before the setting's engine sizes its own)
         out = {
             "model": llm.engine.model_name,
             "ids": llm.tokenizer.encode(text)[: min(tokens, llm.engine.max_model_len - 1)],
             "kv_cache": {
                 "dtype": config.kv_cache_dtype,
-                "tokens": runner.num_kv_tokens,
-                "gib": runner.kv_cache_bytes / 2**30,
+                "tokens": llm.engine.runner.num_kv_tokens,
+                "gib": llm.engine.runner.kv_cache_bytes / 2**30,
             },  # fmt: skip
         }
         if against is not None and out["ids"] != against["ids"]:
