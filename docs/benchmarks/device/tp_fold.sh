@@ -14,7 +14,7 @@ step tp1 75 $B $E --json "$OUT/tp1.json"
 step tp2_nccl 80 $B $E --tensor-parallel-size 2 --json "$OUT/tp2_nccl.json"
 step tp2_auto 80 $B $E --tensor-parallel-size 2 --tp-all-reduce auto --json "$OUT/tp2_auto.json"
 step tp2_fused 80 $B $E --tensor-parallel-size 2 --tp-all-reduce fused --json "$OUT/tp2_fused.json"
-step fold_engine 240 $P -k tokens
+step fold_engine 330 $P -k tokens
 for f in tp1 tp2_nccl tp2_auto tp2_fused; do
   echo "== $f"; grep -A3 "^context" "$OUT/$f.log"; grep -i "all-reduce\|Error" "$OUT/$f.log" | head -4
 done
