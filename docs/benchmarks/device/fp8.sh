@@ -5,6 +5,7 @@
 #   PHASE=e2e: bench decode of dummy:llama3.1-8b at batch 1, 4K / 32K / 128K: bf16, the fp8 KV
 #     cache, fp8 weights + fp8 KV, then bf16 again (each its own process)
 #   PHASE=tiles: the fp8 GEMV's GPU tests and its table at the heuristic's tiles, then e2e
+#   PHASE=splits: the decode kernel's splits over an fp8 cache and a bf16 one at 4K / 16K
 #   PHASE=accuracy: bench accuracy on the default model (bf16, Triton, CUDA graphs): fp8 KV,
 #     fp8 weights and both against bf16 (fp8.md's CPU table, on the GPU); needs the model's two
 #     halves: run it right after a call that carried .carry/gguf.1 (verify.sh PHASE=kernels),
@@ -35,6 +36,12 @@ elif [ "${PHASE:-}" = e2e ] || [ "${PHASE:-}" = tiles ]; then
   step bf16_again 70 $B --json "$OUT/bf16_again.json"
   [ "$PHASE" = tiles ] && grep -E "^[a-z_]+ +[0-9]+ \||copy" "$OUT/pick.log"
   for f in bf16 kv_fp8 w_kv_fp8 bf16_again; do echo "== $f"; grep -E "^[0-9]" "$OUT/$f.log"; done
+elif [ "${PHASE:-}" = splits ]; then  # the decode kernel's split count over an fp8 cache at
+  # short contexts (the heuristic's min_split_tokens is bf16's, measured on 64-token tiles)
+  K="python3 -m kernels.bench --sweep splits --points 1x4096,1x16384,8x4096"
+  step splits_fp8 200 $K --kv-dtype fp8 --json "$OUT/splits-fp8.json"
+  step splits_bf16 150 $K --json "$OUT/splits-bf16.json"
+  for f in splits_fp8 splits_bf16; do echo "== $f"; grep -v '^  {' "$OUT/$f.log" | tail -25; done
 elif [ "${PHASE:-}" = accuracy ]; then
   A="python3 -m flashserve bench accuracy"
   step acc_kv 150 $A --kv-cache-dtype fp8 --json "$OUT/acc-kv.json"
@@ -42,6 +49,6 @@ elif [ "${PHASE:-}" = accuracy ]; then
   step acc_both 150 $A --kv-cache-dtype fp8 --quantization fp8 --json "$OUT/acc-both.json"
   for f in acc_kv acc_w acc_both; do echo "== $f"; tail -12 "$OUT/$f.log"; done
 else
-  echo "PHASE must be gemv, e2e or accuracy"; exit 2
+  echo "PHASE must be gemv, e2e, tiles, splits or accuracy"; exit 2
 fi
 pack
