@@ -7,8 +7,9 @@ against float64 math on the weight it reads, then timed under CUDA-graph replay,
 >= 20 calls rotating over weight copies of >= 256 MB (5x the 50 MB L2), median of 10 replays.
 GB/s counts the bytes one call reads and writes (weight, scales, x, out); the device-to-device
 copy bandwidth (read + write) measured in the same run is the 100% line. ``--sweep`` times the
-fp8 layouts over more tiles and K splits too (tuning: the best and the heuristic's pick per
-point; ``--shapes``/``--layouts`` narrow it).
+fp8 layouts over more tiles and K splits too, at M = 1 each with and without ``diag`` (tuning:
+the best and the heuristic's pick per point; ``--shapes``/``--layouts``/``--ms`` narrow it).
+A config prints as (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag).
 With ``TRITON_INTERPRET=1`` it runs on the CPU at toy sizes (a smoke test of the script only).
 """
 
@@ -66,11 +67,22 @@ def _splits(n: int, k: int, bn: int, bk: int, sms: int) -> list[int]:
 
 
 def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[tuple]:
-    pick = gemv_config(m, n, k, sms, W_SCALE[layout])
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag): the heuristic's pick first
+    (diag 0); with ``sweep`` the fp8 tiles at their splits, each at M = 1 with diag 1 too
+    (``linear_small_m(diag=True)``, BLOCK_K >= 128)."""
+    pick = (*gemv_config(m, n, k, sms, W_SCALE[layout]), 0)
     if not sweep or layout == "bf16":
         return [pick]
-    more = [(bn, bk, s, w, st) for bn, bk, w, st in _SWEEP for s in _splits(n, k, bn, bk, sms)]
+    more = [(bn, bk, s, w, st, 0) for bn, bk, w, st in _SWEEP
+            for s in _splits(n, k, bn, bk, sms)]  # fmt: skip
+    if m == 1:
+        more = [c for c0 in [pick, *more] for c in (c0, (*c0[:5], 1)) if c[5] == 0 or c[1] >= 128]
     return [pick] + [c for c in dict.fromkeys(more) if c != pick]
+
+
+def run(x, w, out, scale, cfg: tuple) -> torch.Tensor:
+    """``linear_small_m`` at a ``configs`` entry."""
+    return linear_small_m(x, w, out=out, weight_scale=scale, config=cfg[:5], diag=bool(cfg[5]))
 
 
 def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: float,
@@ -90,14 +102,13 @@ def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: floa
         results = []
         for cfg in configs(layout, m, n, k, sms, sweep):
             o = torch.full((m, n), math.nan, device=DEV, dtype=DT)
-            err = rel_err(linear_small_m(xs[0], w0, out=o, weight_scale=s0, config=cfg), ref)
+            err = rel_err(run(xs[0], w0, o, s0, cfg), ref)
             if not err <= MAX_ERR:
                 print(f"  {layout} {name} M={m} {cfg}: rel err {err:.2e}: WRONG", flush=True)
                 continue
-            calls = [lambda s=s, c=cfg: linear_small_m(s[0], s[1], out=s[2], weight_scale=s[3],
-                                                       config=c) for s in sets]  # fmt: skip
+            calls = [lambda s=s, c=cfg: run(*s, c) for s in sets]
             results.append((graph_time(calls, min_calls=CALLS), cfg, err))
-        pick = gemv_config(m, n, k, sms, W_SCALE[layout])
+        pick = (*gemv_config(m, n, k, sms, W_SCALE[layout]), 0)
         pick_us = next((t for t, c, _ in results if c == pick), math.nan)
         results.sort()
         us, cfg, err = results[0]

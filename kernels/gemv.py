@@ -27,7 +27,9 @@ are stored (``out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]``); block scales va
 a K step runs in parts of 128 columns (one block; the whole step if BLOCK_K <= 128), each part's
 product multiplied by its block's scale before it is added (BLOCK_N divides 128: a tile's rows
 share their block row). A bf16/fp16/fp32 weight (``W_SCALE`` 0) compiles to the same loops as
-before fp8 existed.
+before fp8 existed. At M = 1, ``diag`` (opt-in until timed on a GPU) gives the dot x's row as
+8 chunks side by side instead of x repeated to 16 columns, the weight tile viewed as 8 times
+the rows, and keeps the diagonal: half the MMAs, half the SASS per byte (``_dot_steps``).
 
 Gated MLPs (``GATED``, ``linear_small_m(act=...)``): the weight is the fused ``[gate; up]``
 projection ``[2I, K]`` and the kernel writes ``act(x @ gate.T) * (x @ up.T)`` ``[M, I]``,
@@ -113,12 +115,18 @@ def _rows(x, ROWS: tl.constexpr):
                       [ROWS, x.shape[1]])  # fmt: skip
 
 
+# DIAG: x's row in 8 chunks, the dot's 8 columns (mma.sync's narrowest N): sm_90 compile reports
+# (tests/sm90_compile.py), SASS per weight byte of the K loop at M = 1, fp8 per channel, against
+# x repeated to 16 columns: (16, 256, 1 warp) 1.32 / 2.89, (32, 128, 1 warp) 1.15 / 2.09.
+_DIAG_G = tl.constexpr(8)
+
+
 @triton.jit
-def _dot_steps(w_ptrs, x_ptrs, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_hi, offs_k,
+def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_hi, offs_k,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, W_SCALE: tl.constexpr,
                F16_DOT: tl.constexpr, SCALE_X: tl.constexpr, TRACK_X: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):  # fmt: skip
+               DOT_PRECISION: tl.constexpr, DIAG: tl.constexpr):  # fmt: skip
     """The reduction over K steps ``[k_lo, k_hi)`` with ``tl.dot``: ``acc[n, m] = sum_k w[n, k]
     * x[m, k]`` [BLOCK_N, BLOCK_M] fp32, x's rows repeated to BLOCK_M (``_rows``). A step loads
     BLOCK_K columns in parts as wide as the pointers ``w_ptrs`` [BN, PK] and ``x_ptrs`` [XM, PK]
@@ -128,10 +136,20 @@ def _dot_steps(w_ptrs, x_ptrs, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_hi, offs
     f16 in one instruction; bf16 x rounds exactly in f16's range), SCALE_X: x's rows times
     ``x_scale`` [XM] first, TRACK_X (bf16 x): also return ``max_k |x[m, k]|`` per loaded row
     (else zeros), kept as bf16 bits (their order is the values'; 2-byte registers where float32
-    took 4)."""
+    took 4). ``offs_x``: x's columns within a part, the shape of ``x_ptrs`` (its K mask).
+
+    DIAG (one x row, BLOCK_M 1): x's part is read as ``_DIAG_G`` chunks side by side, ``x_ptrs``
+    [PK / G, G] (column g: columns ``g PK / G ...`` of the part), and the weight part [BN, PK]
+    as [G BN, PK / G] (row ``G n + c``: chunk c of row n), so one dot gives ``acc[G n + c, g] =
+    sum_k w[n, chunk c][k] x[chunk g][k]``; ``out[n] = sum_g acc[G n + g, g]`` at the end. The
+    dot is G columns wide where x repeated to 16 made 16, and x is converted once a chunk, not
+    once a repeated column; ``is_up`` is [G BN, 1] then, and ``x_scale`` [1]."""
     PART_K: tl.constexpr = w_ptrs.shape[1]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    amax = tl.zeros(x_ptrs.shape, tl.int16)  # [XM, PK]
+    if DIAG:
+        acc = tl.zeros([BLOCK_N * _DIAG_G, _DIAG_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    amax = tl.zeros(x_ptrs.shape, tl.int16)  # [XM, PK] ([PK / G, G] with DIAG)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         for part in tl.static_range(0, BLOCK_K, PART_K):
             if EVEN_K:
@@ -141,7 +159,7 @@ def _dot_steps(w_ptrs, x_ptrs, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_hi, offs
                 k_mask = (k0 + part + offs_k) < k_hi
                 w = tl.load(w_ptrs + part, mask=k_mask[None, :], other=0.0,
                             eviction_policy="evict_first")  # fmt: skip
-                x = tl.load(x_ptrs + part, mask=k_mask[None, :], other=0.0,
+                x = tl.load(x_ptrs + part, mask=(k0 + part + offs_x) < k_hi, other=0.0,
                             eviction_policy="evict_last")  # fmt: skip
             if TRACK_X:
                 amax = tl.maximum(amax, x.to(tl.int16, bitcast=True) & 0x7FFF)
@@ -150,7 +168,11 @@ def _dot_steps(w_ptrs, x_ptrs, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_hi, offs
             if F16_DOT:
                 x = x.to(tl.float16)
             w = w.to(x.dtype)  # a float8 weight widens exactly
-            xt = tl.trans(_rows(x, BLOCK_M))  # [PK, BM]
+            if DIAG:
+                w = tl.reshape(w, [BLOCK_N * _DIAG_G, PART_K // _DIAG_G])
+                xt = x  # [PK / G, G]
+            else:
+                xt = tl.trans(_rows(x, BLOCK_M))  # [PK, BM]
             if W_SCALE == 2:  # with is_up [BN, 1] (gated), those rows' scale from s_up_ptr
                 if EVEN_K:
                     kb = (k0 + part) // 128
@@ -164,6 +186,11 @@ def _dot_steps(w_ptrs, x_ptrs, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_hi, offs
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if DIAG:  # out[n] = sum_g acc[G n + g, g]; the amax of the whole row, as [1]
+        acc = tl.reshape(acc, [BLOCK_N, _DIAG_G, _DIAG_G])
+        eye = tl.arange(0, _DIAG_G)[:, None] == tl.arange(0, _DIAG_G)[None, :]
+        acc = tl.sum(tl.sum(tl.where(eye[None, :, :], acc, 0.0), 2), 1)[:, None]  # [BN, 1]
+        amax = tl.zeros([1, 1], tl.int16) + tl.max(tl.max(amax, 1), 0)
     return acc, tl.max(amax, 1).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
 
 
@@ -204,6 +231,7 @@ def _linear_kernel(
     W_SCALE: tl.constexpr = 0,  # 0: none; 1: one per row (at the end); 2: 128x128 blocks
     X_ROWS: tl.constexpr = 16,  # x rows loaded per step (a power of two >= M), repeated to 16
     F16_DOT: tl.constexpr = False,  # a float8 weight and 16-bit x: f16 operands
+    DIAG: tl.constexpr = False,  # M = 1 on tl.dot: x's row in chunks (``_dot_steps``), BLOCK_M 1
     GATED: tl.constexpr = 0,  # 0: out = the product; SiLU (1), GELU-tanh (2): the gated MLP's
     LIBDEVICE: tl.constexpr = False,  # GELU's tanh from libdevice (CUDA), else made of exp
     Send=None,  # [2, R, N] the peer's slots (FOLD: kernels.fold)
@@ -241,34 +269,43 @@ def _linear_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     # Out-of-range rows are clamped, not masked: every weight load is a full, unmasked tile.
     w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, PK]
-    if USE_DOT:
+    if USE_DOT and DIAG:  # x's one row, chunk g of a part in column g: [PK / G, G]
+        offs_x = (tl.arange(0, _DIAG_G)[None, :] * (PART_K // _DIAG_G)
+                  + tl.arange(0, PART_K // _DIAG_G)[:, None])  # fmt: skip
+        x_ptrs = X + (k_lo + offs_x)
+    elif USE_DOT:
         x_rows = tl.minimum(tl.arange(0, X_ROWS), M - 1)  # rows past M re-read row M - 1
+        offs_x = offs_k[None, :]
         x_ptrs = X + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [XM, PK]
+    if USE_DOT:
         # BLOCK_N divides 128 (block scales): the tile's rows share one row of scale blocks;
         # gated, its gate rows one and its up rows another (I a multiple of BLOCK_N / 2; one
         # pointer per row instead: +0.7-0.9 us on the scales' loads, H200, Qwen3-8B gate_up)
         if GATED:
             s_ptr = Scale + col0 // 128 * tl.cdiv(K, 128)
             s_up_ptr = Scale + (half + col0) // 128 * tl.cdiv(K, 128)
-            is_up = (offs_c % 2 == 1)[:, None]  # [BN, 1]
+            if DIAG:  # the dot's rows: chunk c of tile column j at G j + c
+                is_up = ((tl.arange(0, BLOCK_N * _DIAG_G) // _DIAG_G) % 2 == 1)[:, None]
+            else:
+                is_up = (offs_c % 2 == 1)[:, None]  # [BN, 1]
         else:
             s_ptr = Scale + (pid_n * BLOCK_N // 128) * tl.cdiv(K, 128)
             s_up_ptr = s_ptr
             is_up = None
         range_check: tl.constexpr = F16_DOT and X.dtype.element_ty == tl.bfloat16
-        acc, amax = _dot_steps(w_ptrs, x_ptrs, s_ptr, s_up_ptr, is_up, None, k_lo, k_hi, offs_k,
-                               BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, W_SCALE, F16_DOT,
-                               False, range_check, DOT_PRECISION)  # fmt: skip
+        acc, amax = _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, None, k_lo, k_hi,
+                               offs_k, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, W_SCALE,
+                               F16_DOT, False, range_check, DOT_PRECISION, DIAG)  # fmt: skip
         if range_check:
             redo = (amax > _F16_MAX) | ((amax < _X_SMALL) & (amax > 0))  # [XM]
             if tl.max(redo.to(tl.int32), 0) > 0:  # rare: the steps again, those rows scaled
                 # (a row under 2^-113, or flushed to 0 by log2: scaled by 2^100 at most, where
                 # 2^-e would overflow float32)
                 e = tl.where(redo, tl.maximum(tl.floor(tl.log2(amax)) - 14, -100.0), 0.0)
-                acc, _ = _dot_steps(w_ptrs, x_ptrs, s_ptr, s_up_ptr, is_up, tl.exp2(-e), k_lo,
-                                    k_hi, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                    EVEN_K, W_SCALE, F16_DOT, True, False,
-                                    DOT_PRECISION)  # fmt: skip
+                acc, _ = _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, tl.exp2(-e),
+                                    k_lo, k_hi, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                    EVEN_K, W_SCALE, F16_DOT, True, False, DOT_PRECISION,
+                                    DIAG)  # fmt: skip
                 acc *= tl.trans(_rows(tl.exp2(e)[:, None], BLOCK_M))  # [1, BM]
         acc = tl.trans(acc)  # [BM, BN]
     else:  # M = 1, unquantized: x [1, BK] broadcast over the rows, summed once at the end
@@ -485,6 +522,7 @@ def linear_small_m(
     chain: bool = True,
     act: str | None = None,  # "silu" or "gelu_tanh": the gated MLP's activation, out [M, N/2]
     fold: AllReduceFold | None = None,  # a row-parallel layer's output sent to the peer rank
+    diag: bool = False,  # M = 1, float8: x's row in chunks as the dot's columns (module doc)
 ) -> torch.Tensor:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
@@ -508,6 +546,11 @@ def linear_small_m(
     parallelism on two ranks; it is also stored into the peer's slot of this call, whose flag
     each program then advances (``kernels.fold``): the norm after it adds the two. Not with
     ``act``.
+
+    ``diag`` (M = 1, a float8 weight, BLOCK_K >= 128): the dot takes x's row as 8 chunks side
+    by side against the weight tile viewed as 8 times the rows (``_dot_steps``), where it
+    otherwise repeats x to 16 columns: half the MMAs and x converted once. Not yet timed on a
+    GPU: off unless asked (``kernels.bench_fp8 --sweep`` times both).
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)
@@ -529,6 +572,9 @@ def linear_small_m(
     fp8 = w_scale != W_SCALE_NONE
     use_dot = m > 1 or fp8
     _check_config(block_n, block_k, split_k, use_dot, w_scale)
+    if diag and not (fp8 and m == 1 and block_k >= 128):
+        raise ValueError(f"diag takes M = 1, a float8 weight and BLOCK_K >= 128; got M = {m}, "
+                         f"{weight.dtype}, BLOCK_K {block_k}")  # fmt: skip
     if gated and block_n < 2:
         raise ValueError(f"config: BLOCK_N {block_n} must be >= 2 with act (gate and up rows)")
     if gated and w_scale == W_SCALE_BLOCK and n_out % (block_n // 2):
@@ -543,7 +589,7 @@ def linear_small_m(
         counters = _split_counters(x.device, tiles_n)
     else:
         part = counters = out  # unused
-    block_m = 16 if use_dot else 1
+    block_m = 16 if use_dot and not diag else 1
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, part, counters,
@@ -553,7 +599,7 @@ def linear_small_m(
         MERGE_S=min(triton.next_power_of_2(splits), 8 if use_dot else 16),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", W_SCALE=w_scale,
         X_ROWS=triton.next_power_of_2(m) if fp8 else block_m,
-        F16_DOT=fp8 and x.dtype != torch.float32, GATED=gated,
+        F16_DOT=fp8 and x.dtype != torch.float32, DIAG=diag, GATED=gated,
         LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
         **_fold_args(fold),
     )  # fmt: skip

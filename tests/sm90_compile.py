@@ -185,12 +185,13 @@ def gemv_kernel(
     gated: int = 0,
     fold: bool = False,
     split: bool = False,
+    diag: bool = False,
 ):
     """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit (``split``: K split),
     K a multiple of BLOCK_K; ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1
     or 2), ``tile``: (BLOCK_N, BLOCK_K, num_warps, num_stages); ``gated``: the gated MLP's
     epilogue (1 SiLU, 2 GELU-tanh, libdevice's tanh); ``fold``: the output sent to the peer
-    rank too (``kernels.fold``)."""
+    rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``)."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
     if fold:
@@ -199,11 +200,12 @@ def gemv_kernel(
     fp8 = w_scale > 0
     dot = m > 1 or fp8
     consts = dict(HAS_BIAS=False, SPLIT=split, USE_DOT=dot, EVEN_K=True,
-                  BLOCK_M=16 if dot else 1, BLOCK_N=tile[0], BLOCK_K=tile[1],
+                  BLOCK_M=16 if dot and not diag else 1, BLOCK_N=tile[0], BLOCK_K=tile[1],
                   NUM_STAGES=tile[3], MERGE_S=4 if split else 1, CHAIN=True, W_SCALE=w_scale,
                   DOT_PRECISION="ieee" if x == "fp32" else "tf32",
                   X_ROWS=x_rows or (triton.next_power_of_2(m) if fp8 else 16 if dot else 1),
-                  F16_DOT=fp8 and x != "fp32", GATED=gated, LIBDEVICE=True, FOLD=fold,
+                  F16_DOT=fp8 and x != "fp32", DIAG=diag, GATED=gated, LIBDEVICE=True,
+                  FOLD=fold,
                   **unfolded)  # fmt: skip
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3])
 
@@ -468,6 +470,13 @@ GEMV_VARIANTS = {
     "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", x="fp16", tile=_FP8_NARROW,
                                                      w_scale=1),
     "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=2),
+    # M = 1 with x's row in chunks (``linear_small_m(diag=True)``), against the three above
+    "gemv-fp8-channel-m1-diag": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=1,
+                                                     diag=True),
+    "gemv-fp8-channel-m1-split-diag": lambda: gemv_summary("fp8e4nv", tile=_FP8_SPLIT,
+                                                           w_scale=1, split=True, diag=True),
+    "gemv-fp8-block-m1-diag": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=2,
+                                                   diag=True),
     "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=_FP8_WIDE, w_scale=2),
     "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_M8, w_scale=1),
     "gemv-fp8-channel-m8-mma2": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_WIDE,

@@ -165,6 +165,43 @@ def test_fp8_gemv_configs_and_split_k(config, m, scales):
     assert_close(out, _ref(x, q, scale, b), TOL[torch.float16], f"{scales} {config}")
 
 
+# diag (M = 1, x's row in 8 chunks): BLOCK_K 128 (chunks of 16, the dot's K) and 256 (two
+# 128-column parts with block scales), unsplit and split, K with a tail
+DIAG_CONFIGS = [(16, 128, 1, 1, 2), (32, 256, 3, 1, 2), (16, 256, 2, 2, 3), (64, 128, 1, 4, 2)]
+
+
+@pytest.mark.parametrize("config", DIAG_CONFIGS)
+@pytest.mark.parametrize("scales", ["channel", "block"])
+def test_fp8_gemv_diag_matches_reference(config, scales):
+    """``diag``: the same sums as the float64 reference (and as without diag) over K with a
+    tail (700, 1000) and one that ends on a part (1152), a bias, and the gated epilogue."""
+    for n, k in [(200, 700), (96, 1000), (128, 1152)]:  # the last one gated too (I = 64)
+        q, scale = _weight(n, k, scales)
+        x = torch.randn(1, k, device=DEVICE).half()
+        b = torch.randn(n, device=DEVICE).half()
+        got = linear_small_m(x, q, b, weight_scale=scale, config=config, diag=True)
+        want = _ref(x, q, scale, b)
+        assert_close(got, want, TOL[torch.float16], f"{scales} {config} N={n} K={k}")
+        plain = linear_small_m(x, q, b, weight_scale=scale, config=config)
+        assert_close(got, plain.double(), TOL[torch.float16], f"diag vs not {config}")
+    gated = linear_small_m(x, q, weight_scale=scale, config=config, act="silu", diag=True)
+    g, u = want.sub(b.double()).chunk(2, dim=1)
+    assert_close(gated, torch.nn.functional.silu(g) * u, TOL[torch.float16], f"gated {config}")
+
+
+def test_fp8_gemv_diag_refuses_what_it_cannot_take():
+    q, scale = _weight(64, 512, "channel")
+    for what, x, config, w in [
+        ("two rows", torch.randn(2, 512, device=DEVICE).half(), None, q),
+        ("BLOCK_K 64", torch.randn(1, 512, device=DEVICE).half(), (16, 64, 1, 1, 2), q),
+        ("a float weight", torch.randn(1, 512, device=DEVICE).half(), None, q.half()),
+    ]:
+        with pytest.raises(ValueError, match="diag takes M = 1"):
+            linear_small_m(x, w, weight_scale=scale if w is q else None, config=config,
+                           diag=True)  # fmt: skip
+            pytest.fail(what)
+
+
 def _bf16_rows(m: int, k: int, magnitudes: list[float]) -> torch.Tensor:
     """bf16 activations whose row i has magnitude ``magnitudes[i % len]`` (the largest element
     of a row is about 4x that)."""
@@ -173,16 +210,17 @@ def _bf16_rows(m: int, k: int, magnitudes: list[float]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scales", ["channel", "block"])
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_fp8_gemv_bf16_rows_outside_f16_range(scales, m):
+@pytest.mark.parametrize("m,diag", [(1, False), (1, True), (4, False), (16, False)])
+def test_fp8_gemv_bf16_rows_outside_f16_range(scales, m, diag):
     """bf16 x meets f16 operands: rows past 65504 (they would be inf) or with no element over
     2^-10 (subnormal in f16) are scaled by a power of two and their steps run again; rows in
     range beside them stay right. The interpreter reads bf16 and widens it correctly."""
     n, k = 96, 300
     q, scale = _weight(n, k, scales)
+    config = (16, 128, 1, 1, 2) if diag else None
     for magnitudes in ([1e5], [3e-5], [1.0, 2e5, 1e-6, 0.5], [0.0, 1.0]):
         x = _bf16_rows(m, k, magnitudes)
-        got = linear_small_m(x, q, weight_scale=scale).float()
+        got = linear_small_m(x, q, weight_scale=scale, config=config, diag=diag).float()
         ref = _ref(x, q, scale)
         for i in range(m):  # each row against its own size: a huge row would hide a tiny one
             what = f"{scales} M={m} row {i} of magnitude {magnitudes[i % len(magnitudes)]:g}"
@@ -346,13 +384,23 @@ SWEEP_KINDS = [
 @pytest.mark.parametrize("scales", ["channel", "block"])
 def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
     """Each kind of tile the sweep times (their layouts exist only on the GPU: the interpreter
-    runs none of them), bf16 x, M = 1, 5 and 16, K with a tail."""
+    runs none of them), bf16 x, M = 1, 5 and 16, K with a tail; M = 1 with diag too (its
+    reshaped weight tile and 8-column dot), with a gated epilogue."""
     n, k = 1000, 4000
     q, scale = _weight(n, k, scales)
+    config = (*tile[:2], split, *tile[2:])
     for m in (1, 5, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        out = linear_small_m(x, q, weight_scale=scale, config=(*tile[:2], split, *tile[2:]))
+        out = linear_small_m(x, q, weight_scale=scale, config=config)
         assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m}")
+    if tile[1] >= 128:
+        out = linear_small_m(x[:1], q, weight_scale=scale, config=config, diag=True)
+        assert_close(out, _ref(x[:1], q, scale), TOL[torch.bfloat16], f"{scales} {tile} diag")
+        gated = linear_small_m(x[:1], q, weight_scale=scale, config=config, act="silu",
+                               diag=True)  # fmt: skip
+        g, u = _ref(x[:1], q, scale).chunk(2, dim=1)
+        want = torch.nn.functional.silu(g) * u
+        assert_close(gated, want, TOL[torch.bfloat16], f"{scales} {tile} diag gated")
 
 
 @pytest.mark.gpu
