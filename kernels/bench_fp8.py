@@ -7,7 +7,7 @@ against float64 math on the weight it reads, then timed under CUDA-graph replay,
 >= 20 calls rotating over weight copies of >= 256 MB (5x the 50 MB L2), median of 10 replays.
 GB/s counts the bytes one call reads and writes (weight, scales, x, out); the device-to-device
 copy bandwidth (read + write) measured in the same run is the 100% line. ``--sweep`` times the
-fp8 layouts over more tiles and K splits too, at M = 1 each with and without ``diag`` (tuning:
+fp8 layouts over more tiles and K splits too, at M <= 8 each with and without ``diag`` (tuning:
 the best and the heuristic's pick per point; ``--shapes``/``--layouts``/``--ms`` narrow it).
 A config prints as (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag).
 With ``TRITON_INTERPRET=1`` it runs on the CPU at toy sizes (a smoke test of the script only).
@@ -68,14 +68,14 @@ def _splits(n: int, k: int, bn: int, bk: int, sms: int) -> list[int]:
 
 def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[tuple]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag): the heuristic's pick first
-    (diag 0); with ``sweep`` the fp8 tiles at their splits, each at M = 1 with diag 1 too
+    (diag 0); with ``sweep`` the fp8 tiles at their splits, each at M <= 8 with diag 1 too
     (``linear_small_m(diag=True)``, BLOCK_K >= 128)."""
     pick = (*gemv_config(m, n, k, sms, W_SCALE[layout]), 0)
     if not sweep or layout == "bf16":
         return [pick]
     more = [(bn, bk, s, w, st, 0) for bn, bk, w, st in _SWEEP
             for s in _splits(n, k, bn, bk, sms)]  # fmt: skip
-    if m == 1:
+    if m <= 8:
         more = [c for c0 in [pick, *more] for c in (c0, (*c0[:5], 1)) if c[5] == 0 or c[1] >= 128]
     return [pick] + [c for c in dict.fromkeys(more) if c != pick]
 

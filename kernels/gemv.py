@@ -27,9 +27,10 @@ are stored (``out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]``); block scales va
 a K step runs in parts of 128 columns (one block; the whole step if BLOCK_K <= 128), each part's
 product multiplied by its block's scale before it is added (BLOCK_N divides 128: a tile's rows
 share their block row). A bf16/fp16/fp32 weight (``W_SCALE`` 0) compiles to the same loops as
-before fp8 existed. At M = 1, ``diag`` (opt-in until timed on a GPU) gives the dot x's row as
-8 chunks side by side instead of x repeated to 16 columns, the weight tile viewed as 8 times
-the rows, and keeps the diagonal: half the MMAs, half the SASS per byte (``_dot_steps``).
+before fp8 existed. At M <= 8, ``diag`` (opt-in until timed on a GPU) gives the dot 8 columns,
+x's rows in 8 / M chunks each, instead of x repeated to 16, the weight tile viewed as 8 / M
+times the rows, and keeps the diagonal blocks: half the MMAs; at M = 1 half the SASS per byte
+(``_dot_steps``).
 
 Gated MLPs (``GATED``, ``linear_small_m(act=...)``): the weight is the fused ``[gate; up]``
 projection ``[2I, K]`` and the kernel writes ``act(x @ gate.T) * (x @ up.T)`` ``[M, I]``,
@@ -115,10 +116,11 @@ def _rows(x, ROWS: tl.constexpr):
                       [ROWS, x.shape[1]])  # fmt: skip
 
 
-# DIAG: x's row in 8 chunks, the dot's 8 columns (mma.sync's narrowest N): sm_90 compile reports
-# (tests/sm90_compile.py), SASS per weight byte of the K loop at M = 1, fp8 per channel, against
-# x repeated to 16 columns: (16, 256, 1 warp) 1.32 / 2.89, (32, 128, 1 warp) 1.15 / 2.09.
-_DIAG_G = tl.constexpr(8)
+# DIAG: the dot 8 columns wide (mma.sync's narrowest N): x's M rows (a power of two <= 8) of 8 / M
+# chunks each. sm_90 compile reports (tests/sm90_compile.py), SASS per weight byte of the K loop
+# at M = 1, fp8 per channel, against x repeated to 16 columns: (16, 256, 1 warp) 1.41 / 2.89,
+# (32, 128, 1 warp, split) 1.21 / 2.08.
+_DIAG_COLS = tl.constexpr(8)
 
 
 @triton.jit
@@ -138,18 +140,21 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
     (else zeros), kept as bf16 bits (their order is the values'; 2-byte registers where float32
     took 4). ``offs_x``: x's columns within a part, the shape of ``x_ptrs`` (its K mask).
 
-    DIAG (one x row, BLOCK_M 1): x's part is read as ``_DIAG_G`` chunks side by side, ``x_ptrs``
-    [PK / G, G] (column g: columns ``g PK / G ...`` of the part), and the weight part [BN, PK]
-    as [G BN, PK / G] (row ``G n + c``: chunk c of row n), so one dot gives ``acc[G n + c, g] =
-    sum_k w[n, chunk c][k] x[chunk g][k]``; ``out[n] = sum_g acc[G n + g, g]`` at the end. The
-    dot is G columns wide where x repeated to 16 made 16, and x is converted once a chunk, not
-    once a repeated column; ``is_up`` is [G BN, 1] then, and ``x_scale`` [1]."""
+    DIAG (x's rows a power of two BLOCK_M <= 8, no repeats): each row's part is read as G =
+    8 / BLOCK_M chunks, ``x_ptrs`` [PK / G, 8] (column ``m G + g``: chunk g of row m), and the
+    weight part [BN, PK] as [G BN, PK / G] (row ``G n + c``: chunk c of row n), so one dot gives
+    ``acc[G n + c, m G + g] = sum_k w[n, chunk c][k] x[m, chunk g][k]``, and ``out[n, m] =
+    sum_g acc[G n + g, m G + g]`` at the end. The dot is 8 columns wide where x repeated to 16
+    made 16, and x is converted once a chunk; ``is_up`` is [G BN, 1] then."""
     PART_K: tl.constexpr = w_ptrs.shape[1]
+    G: tl.constexpr = _DIAG_COLS // BLOCK_M  # DIAG: chunks a row
     if DIAG:
-        acc = tl.zeros([BLOCK_N * _DIAG_G, _DIAG_G], tl.float32)
+        acc = tl.zeros([BLOCK_N * G, _DIAG_COLS], tl.float32)
+        if SCALE_X:  # x_scale [BM] over the columns m G + g
+            x_scale = tl.reshape(tl.broadcast_to(x_scale[:, None], [BLOCK_M, G]), [_DIAG_COLS])
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    amax = tl.zeros(x_ptrs.shape, tl.int16)  # [XM, PK] ([PK / G, G] with DIAG)
+    amax = tl.zeros(x_ptrs.shape, tl.int16)  # [XM, PK] ([PK / G, 8] with DIAG)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         for part in tl.static_range(0, BLOCK_K, PART_K):
             if EVEN_K:
@@ -163,14 +168,16 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
                             eviction_policy="evict_last")  # fmt: skip
             if TRACK_X:
                 amax = tl.maximum(amax, x.to(tl.int16, bitcast=True) & 0x7FFF)
-            if SCALE_X:
+            if SCALE_X and DIAG:
+                x = x.to(tl.float32) * x_scale[None, :]
+            elif SCALE_X:
                 x = x.to(tl.float32) * x_scale[:, None]
             if F16_DOT:
                 x = x.to(tl.float16)
             w = w.to(x.dtype)  # a float8 weight widens exactly
             if DIAG:
-                w = tl.reshape(w, [BLOCK_N * _DIAG_G, PART_K // _DIAG_G])
-                xt = x  # [PK / G, G]
+                w = tl.reshape(w, [BLOCK_N * G, PART_K // G])
+                xt = x  # [PK / G, 8]
             else:
                 xt = tl.trans(_rows(x, BLOCK_M))  # [PK, BM]
             if W_SCALE == 2:  # with is_up [BN, 1] (gated), those rows' scale from s_up_ptr
@@ -186,11 +193,11 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if DIAG:  # out[n] = sum_g acc[G n + g, g]; the amax of the whole row, as [1]
-        acc = tl.reshape(acc, [BLOCK_N, _DIAG_G, _DIAG_G])
-        eye = tl.arange(0, _DIAG_G)[:, None] == tl.arange(0, _DIAG_G)[None, :]
-        acc = tl.sum(tl.sum(tl.where(eye[None, :, :], acc, 0.0), 2), 1)[:, None]  # [BN, 1]
-        amax = tl.zeros([1, 1], tl.int16) + tl.max(tl.max(amax, 1), 0)
+    if DIAG:  # out[n, m] = sum_g acc[G n + g, m G + g]; amax [PK / G, 8] -> [BM, PK / G * G]
+        acc = tl.reshape(acc, [BLOCK_N, G, BLOCK_M, G])
+        eye = tl.arange(0, G)[:, None] == tl.arange(0, G)[None, :]  # [G, G]
+        acc = tl.sum(tl.sum(tl.where(eye[None, :, None, :], acc, 0.0), 3), 1)  # [BN, BM]
+        amax = tl.reshape(tl.trans(amax), [BLOCK_M, G * (PART_K // G)])
     return acc, tl.max(amax, 1).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
 
 
@@ -231,7 +238,7 @@ def _linear_kernel(
     W_SCALE: tl.constexpr = 0,  # 0: none; 1: one per row (at the end); 2: 128x128 blocks
     X_ROWS: tl.constexpr = 16,  # x rows loaded per step (a power of two >= M), repeated to 16
     F16_DOT: tl.constexpr = False,  # a float8 weight and 16-bit x: f16 operands
-    DIAG: tl.constexpr = False,  # M = 1 on tl.dot: x's row in chunks (``_dot_steps``), BLOCK_M 1
+    DIAG: tl.constexpr = False,  # M <= 8 on tl.dot: x's rows in chunks (``_dot_steps``)
     GATED: tl.constexpr = 0,  # 0: out = the product; SiLU (1), GELU-tanh (2): the gated MLP's
     LIBDEVICE: tl.constexpr = False,  # GELU's tanh from libdevice (CUDA), else made of exp
     Send=None,  # [2, R, N] the peer's slots (FOLD: kernels.fold)
@@ -269,10 +276,12 @@ def _linear_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     # Out-of-range rows are clamped, not masked: every weight load is a full, unmasked tile.
     w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, PK]
-    if USE_DOT and DIAG:  # x's one row, chunk g of a part in column g: [PK / G, G]
-        offs_x = (tl.arange(0, _DIAG_G)[None, :] * (PART_K // _DIAG_G)
-                  + tl.arange(0, PART_K // _DIAG_G)[:, None])  # fmt: skip
-        x_ptrs = X + (k_lo + offs_x)
+    if USE_DOT and DIAG:  # chunk g of x's row m in column m G + g: [PK / G, 8]
+        G: tl.constexpr = _DIAG_COLS // BLOCK_M
+        cols = tl.arange(0, _DIAG_COLS)
+        offs_x = (cols % G * (PART_K // G))[None, :] + tl.arange(0, PART_K // G)[:, None]
+        x_rows = tl.minimum(cols // G, M - 1)  # rows past M re-read row M - 1
+        x_ptrs = X + x_rows[None, :] * stride_xm + (k_lo + offs_x)
     elif USE_DOT:
         x_rows = tl.minimum(tl.arange(0, X_ROWS), M - 1)  # rows past M re-read row M - 1
         offs_x = offs_k[None, :]
@@ -285,7 +294,8 @@ def _linear_kernel(
             s_ptr = Scale + col0 // 128 * tl.cdiv(K, 128)
             s_up_ptr = Scale + (half + col0) // 128 * tl.cdiv(K, 128)
             if DIAG:  # the dot's rows: chunk c of tile column j at G j + c
-                is_up = ((tl.arange(0, BLOCK_N * _DIAG_G) // _DIAG_G) % 2 == 1)[:, None]
+                rows = tl.arange(0, BLOCK_N * (_DIAG_COLS // BLOCK_M))
+                is_up = ((rows // (_DIAG_COLS // BLOCK_M)) % 2 == 1)[:, None]
             else:
                 is_up = (offs_c % 2 == 1)[:, None]  # [BN, 1]
         else:
@@ -522,7 +532,7 @@ def linear_small_m(
     chain: bool = True,
     act: str | None = None,  # "silu" or "gelu_tanh": the gated MLP's activation, out [M, N/2]
     fold: AllReduceFold | None = None,  # a row-parallel layer's output sent to the peer rank
-    diag: bool = False,  # M = 1, float8: x's row in chunks as the dot's columns (module doc)
+    diag: bool = False,  # M <= 8, float8: x's rows in chunks as the dot's columns (module doc)
 ) -> torch.Tensor:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
@@ -547,10 +557,11 @@ def linear_small_m(
     each program then advances (``kernels.fold``): the norm after it adds the two. Not with
     ``act``.
 
-    ``diag`` (M = 1, a float8 weight, BLOCK_K >= 128): the dot takes x's row as 8 chunks side
-    by side against the weight tile viewed as 8 times the rows (``_dot_steps``), where it
-    otherwise repeats x to 16 columns: half the MMAs and x converted once. Not yet timed on a
-    GPU: off unless asked (``kernels.bench_fp8 --sweep`` times both).
+    ``diag`` (M <= 8, a float8 weight, BLOCK_K >= 128): the dot takes x's rows (M rounded up to
+    a power of two) as 8 / M chunks each, side by side, against the weight tile viewed as 8 / M
+    times the rows (``_dot_steps``), where it otherwise repeats x to 16 columns: half the MMAs
+    and x converted once. Not yet timed on a GPU: off unless asked (``kernels.bench_fp8
+    --sweep`` times both).
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)
@@ -572,8 +583,8 @@ def linear_small_m(
     fp8 = w_scale != W_SCALE_NONE
     use_dot = m > 1 or fp8
     _check_config(block_n, block_k, split_k, use_dot, w_scale)
-    if diag and not (fp8 and m == 1 and block_k >= 128):
-        raise ValueError(f"diag takes M = 1, a float8 weight and BLOCK_K >= 128; got M = {m}, "
+    if diag and not (fp8 and m <= 8 and block_k >= 128):
+        raise ValueError(f"diag takes M <= 8, a float8 weight and BLOCK_K >= 128; got M = {m}, "
                          f"{weight.dtype}, BLOCK_K {block_k}")  # fmt: skip
     if gated and block_n < 2:
         raise ValueError(f"config: BLOCK_N {block_n} must be >= 2 with act (gate and up rows)")
@@ -589,7 +600,7 @@ def linear_small_m(
         counters = _split_counters(x.device, tiles_n)
     else:
         part = counters = out  # unused
-    block_m = 16 if use_dot and not diag else 1
+    block_m = triton.next_power_of_2(m) if diag else 16 if use_dot else 1
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, part, counters,

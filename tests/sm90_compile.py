@@ -470,13 +470,15 @@ GEMV_VARIANTS = {
     "gemv-fp8-channel-m1-fp16": lambda: gemv_summary("fp8e4nv", x="fp16", tile=_FP8_NARROW,
                                                      w_scale=1),
     "gemv-fp8-block-m1": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=2),
-    # M = 1 with x's row in chunks (``linear_small_m(diag=True)``), against the three above
+    # x's rows in chunks (``linear_small_m(diag=True)``), against the tiles above
     "gemv-fp8-channel-m1-diag": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=1,
                                                      diag=True),
     "gemv-fp8-channel-m1-split-diag": lambda: gemv_summary("fp8e4nv", tile=_FP8_SPLIT,
                                                            w_scale=1, split=True, diag=True),
     "gemv-fp8-block-m1-diag": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=2,
                                                    diag=True),
+    "gemv-fp8-channel-m8-narrow-diag": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_NARROW,
+                                                            w_scale=1, diag=True),
     "gemv-fp8-block-m1-mma2": lambda: gemv_summary("fp8e4nv", tile=_FP8_WIDE, w_scale=2),
     "gemv-fp8-channel-m8": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_M8, w_scale=1),
     "gemv-fp8-channel-m8-mma2": lambda: gemv_summary("fp8e4nv", m=8, tile=_FP8_WIDE,

@@ -165,19 +165,21 @@ def test_fp8_gemv_configs_and_split_k(config, m, scales):
     assert_close(out, _ref(x, q, scale, b), TOL[torch.float16], f"{scales} {config}")
 
 
-# diag (M = 1, x's row in 8 chunks): BLOCK_K 128 (chunks of 16, the dot's K) and 256 (two
-# 128-column parts with block scales), unsplit and split, K with a tail
+# diag (M <= 8, x's rows in 8 / M chunks): BLOCK_K 128 (chunks of 16 at M = 1, the dot's K)
+# and 256 (two 128-column parts with block scales), unsplit and split, K with a tail
 DIAG_CONFIGS = [(16, 128, 1, 1, 2), (32, 256, 3, 1, 2), (16, 256, 2, 2, 3), (64, 128, 1, 4, 2)]
 
 
 @pytest.mark.parametrize("config", DIAG_CONFIGS)
 @pytest.mark.parametrize("scales", ["channel", "block"])
-def test_fp8_gemv_diag_matches_reference(config, scales):
-    """``diag``: the same sums as the float64 reference (and as without diag) over K with a
-    tail (700, 1000) and one that ends on a part (1152), a bias, and the gated epilogue."""
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_fp8_gemv_diag_matches_reference(config, scales, m):
+    """``diag`` (M rows of 8 / M chunks; 3 rows as 4, the fourth never stored): the same sums
+    as the float64 reference (and as without diag) over K with a tail (700, 1000) and one that
+    ends on a part (1152), a bias, and the gated epilogue."""
     for n, k in [(200, 700), (96, 1000), (128, 1152)]:  # the last one gated too (I = 64)
         q, scale = _weight(n, k, scales)
-        x = torch.randn(1, k, device=DEVICE).half()
+        x = torch.randn(m, k, device=DEVICE).half()
         b = torch.randn(n, device=DEVICE).half()
         got = linear_small_m(x, q, b, weight_scale=scale, config=config, diag=True)
         want = _ref(x, q, scale, b)
@@ -192,11 +194,11 @@ def test_fp8_gemv_diag_matches_reference(config, scales):
 def test_fp8_gemv_diag_refuses_what_it_cannot_take():
     q, scale = _weight(64, 512, "channel")
     for what, x, config, w in [
-        ("two rows", torch.randn(2, 512, device=DEVICE).half(), None, q),
+        ("nine rows", torch.randn(9, 512, device=DEVICE).half(), None, q),
         ("BLOCK_K 64", torch.randn(1, 512, device=DEVICE).half(), (16, 64, 1, 1, 2), q),
         ("a float weight", torch.randn(1, 512, device=DEVICE).half(), None, q.half()),
     ]:
-        with pytest.raises(ValueError, match="diag takes M = 1"):
+        with pytest.raises(ValueError, match="diag takes M <= 8"):
             linear_small_m(x, w, weight_scale=scale if w is q else None, config=config,
                            diag=True)  # fmt: skip
             pytest.fail(what)
@@ -210,7 +212,7 @@ def _bf16_rows(m: int, k: int, magnitudes: list[float]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scales", ["channel", "block"])
-@pytest.mark.parametrize("m,diag", [(1, False), (1, True), (4, False), (16, False)])
+@pytest.mark.parametrize("m,diag", [(1, False), (1, True), (4, False), (4, True), (16, False)])
 def test_fp8_gemv_bf16_rows_outside_f16_range(scales, m, diag):
     """bf16 x meets f16 operands: rows past 65504 (they would be inf) or with no element over
     2^-10 (subnormal in f16) are scaled by a power of two and their steps run again; rows in
@@ -384,7 +386,7 @@ SWEEP_KINDS = [
 @pytest.mark.parametrize("scales", ["channel", "block"])
 def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
     """Each kind of tile the sweep times (their layouts exist only on the GPU: the interpreter
-    runs none of them), bf16 x, M = 1, 5 and 16, K with a tail; M = 1 with diag too (its
+    runs none of them), bf16 x, M = 1, 5 and 16, K with a tail; M = 1 and 5 with diag too (its
     reshaped weight tile and 8-column dot), with a gated epilogue."""
     n, k = 1000, 4000
     q, scale = _weight(n, k, scales)
@@ -393,14 +395,14 @@ def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = linear_small_m(x, q, weight_scale=scale, config=config)
         assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m}")
-    if tile[1] >= 128:
-        out = linear_small_m(x[:1], q, weight_scale=scale, config=config, diag=True)
-        assert_close(out, _ref(x[:1], q, scale), TOL[torch.bfloat16], f"{scales} {tile} diag")
-        gated = linear_small_m(x[:1], q, weight_scale=scale, config=config, act="silu",
-                               diag=True)  # fmt: skip
-        g, u = _ref(x[:1], q, scale).chunk(2, dim=1)
+    for m in (1, 5) if tile[1] >= 128 else ():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = linear_small_m(x, q, weight_scale=scale, config=config, diag=True)
+        assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m} diag")
+        gated = linear_small_m(x, q, weight_scale=scale, config=config, act="silu", diag=True)
+        g, u = _ref(x, q, scale).chunk(2, dim=1)
         want = torch.nn.functional.silu(g) * u
-        assert_close(gated, want, TOL[torch.bfloat16], f"{scales} {tile} diag gated")
+        assert_close(gated, want, TOL[torch.bfloat16], f"{scales} {tile} M={m} diag gated")
 
 
 @pytest.mark.gpu
