@@ -8,7 +8,8 @@ timed under CUDA-graph replay: one graph of >= 20 calls that rotate over weight 
 >= 256 MB (5x the 50 MB L2), median of 10 replays. GB/s counts the weight, x and output bytes
 once each; the device-to-device copy bandwidth (bytes read + written) is the 100% line.
 The default run takes ~30 s on an H100 (cold Triton cache); ``--wide`` sweeps more configs
-(tuning, ~1.5 min); ``--shapes qkv_tp8,narrow`` times narrow layers, where K is split. With
+(tuning, ~1.5 min); ``--diag`` adds ``linear_small_m(diag=True)`` tiles at M <= 8 (``--ms``
+picks the M); ``--shapes qkv_tp8,narrow`` times narrow layers, where K is split. With
 ``TRITON_INTERPRET=1`` it runs on the CPU at toy sizes (a smoke test of the script only).
 
 ``--gated [--scales none,channel,block]``: gate_up of Gemma 3 12B (GELU-tanh), Llama 3 8B and
@@ -65,17 +66,36 @@ _WIDE_DOT = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3),
              (32, 512, 8, 3), (64, 64, 4, 6), (128, 64, 4, 4), (128, 256, 8, 3)]  # fmt: skip
 
 
-def candidates(m: int, n: int, k: int, sms: int, wide: bool) -> list[tuple]:
-    """The heuristic's pick first, then each tile at its heuristic split, unsplit and split 2."""
+# --diag (``linear_small_m(diag=True)``, M <= 8): one- and two-warp mma.sync tiles and the
+# 4-warp wgmma one, at splits 1, 2, 4 and the heuristic's (sm_90 compile reports, SASS per
+# weight byte at M = 1: 0.38-0.45, against 1.97 for the elementwise loop; M = 8: 0.42 against
+# 0.90 for (64, 256, 4, 3))
+_DIAG_TILES = [(16, 256, 1, 6), (32, 256, 1, 4), (32, 128, 1, 6), (64, 256, 2, 4),
+               (64, 256, 4, 3), (16, 512, 1, 4)]  # fmt: skip
+
+
+def candidates(m: int, n: int, k: int, sms: int, wide: bool, diag: bool = False) -> list[tuple]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag): the heuristic's pick first,
+    then each tile at its heuristic split, unsplit and split 2; with ``diag`` (M <= 8) the
+    ``_DIAG_TILES`` with diag at splits 1, 2, 4 and the heuristic's too."""
     tiles = (_TILES_M1 + _WIDE_M1 * wide) if m == 1 else (_TILES_DOT + _WIDE_DOT * wide)
     if SMOKE:
         tiles = tiles[:2]
-    out = [gemv_config(m, n, k, sms)]
+    out = [(*gemv_config(m, n, k, sms), 0)]
     for bn, bk, w, st in tiles:
         for split in dict.fromkeys((split_k_for(n, k, bn, bk, sms), 1, 2)):
-            if (bn, bk, split, w, st) not in out and split <= max(1, k // bk):
-                out.append((bn, bk, split, w, st))
+            if (bn, bk, split, w, st, 0) not in out and split <= max(1, k // bk):
+                out.append((bn, bk, split, w, st, 0))
+    for bn, bk, w, st in _DIAG_TILES[: 2 if SMOKE else None] if diag and m <= 8 else ():
+        for split in dict.fromkeys((split_k_for(n, k, bn, bk, sms), 1, 2, 4)):
+            if split <= max(1, k // bk):
+                out.append((bn, bk, split, w, st, 1))
     return out
+
+
+def run(x, w, out, cfg: tuple) -> torch.Tensor:
+    """``linear_small_m`` at a ``candidates`` entry."""
+    return linear_small_m(x, w, out=out, config=cfg[:5], diag=bool(cfg[5]))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -84,29 +104,30 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_shape(name: str, n: int, k: int, sms: int, copy_gbs: float, wide: bool) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, sms: int, copy_gbs: float, wide: bool,
+                diag: bool = False, ms: tuple[int, ...] = MS) -> list[dict]:  # fmt: skip
     """All M for one weight shape: the weight copies are allocated once."""
     wbytes = n * k * DT.itemsize
     copies = 1 if SMOKE else max(2, math.ceil(ROTATE_BYTES / wbytes))
     ws = torch.randn(copies, n, k, device=DEV, dtype=DT)
     rows = []
-    for m in MS:
+    for m in ms:
         xs = torch.randn(copies, m, k, device=DEV, dtype=DT)
         outs = torch.empty(copies, m, n, device=DEV, dtype=DT)
         gbs = lambda us, m=m: (wbytes + (m * k + m * n) * DT.itemsize) / us / 1e3  # noqa: E731
         ref = F.linear(xs[0], ws[0])
         sets = [(xs[i], ws[i], outs[i]) for i in range(copies)]
         t_lin = graph_time([lambda s=s: F.linear(s[0], s[1], out=s[2]) for s in sets], CALLS)
-        pick = gemv_config(m, n, k, sms)
+        pick = (*gemv_config(m, n, k, sms), 0)
         results, worst = [], 0.0
-        for cfg in candidates(m, n, k, sms, wide):
+        for cfg in candidates(m, n, k, sms, wide, diag):
             o = torch.full((m, n), math.nan, device=DEV, dtype=DT)
-            err = rel_err(linear_small_m(xs[0], ws[0], out=o, config=cfg), ref)
+            err = rel_err(run(xs[0], ws[0], o, cfg), ref)
             worst = max(worst, err)
             if not err <= MAX_ERR:
                 print(f"  {name} M={m} {cfg}: rel err {err:.2e} > {MAX_ERR}: WRONG", flush=True)
                 continue
-            calls = [lambda s=s, c=cfg: linear_small_m(*s[:2], out=s[2], config=c) for s in sets]
+            calls = [lambda s=s, c=cfg: run(*s, c) for s in sets]
             results.append((graph_time(calls, min_calls=CALLS), cfg))
         results.sort()
         t_pick = next((t for t, c in results if c == pick), math.nan)
@@ -129,12 +150,12 @@ def bench_shape(name: str, n: int, k: int, sms: int, copy_gbs: float, wide: bool
 def print_table(rows: list[dict], copy_gbs: float) -> None:
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s (read + write); GB/s = weight+x+out bytes / time")
     print(f"{'shape':8} {'M':>2} | {'F.linear':>8} {'GB/s':>5} | {'best':>7} {'GB/s':>5} "
-          f"{'%copy':>5} {'config (BN, BK, S, w, st)':26} | {'pick':>7} {'GB/s':>5} | "
+          f"{'%copy':>5} {'config (BN, BK, S, w, st, diag)':29} | {'pick':>7} {'GB/s':>5} | "
           f"{'err':>7}")  # fmt: skip
     for r in rows:
         print(f"{r['shape']:8} {r['M']:2} | {r['linear_us']:8.1f} {r['linear_gbs']:5.0f} | "
               f"{r['best_us']:7.1f} {r['best_gbs']:5.0f} {r['best_pct_copy']:5.1f} "
-              f"{str(tuple(r['best_cfg'])):26} | {r['pick_us']:7.1f} {r['pick_gbs']:5.0f} | "
+              f"{str(tuple(r['best_cfg'])):29} | {r['pick_us']:7.1f} {r['pick_gbs']:5.0f} | "
               f"{r['max_rel_err']:7.1e}")  # fmt: skip
 
 
@@ -242,6 +263,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--wide", action="store_true", help="sweep more configs (tuning)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names")
+    ap.add_argument("--diag", action="store_true", help="time diag tiles too (M <= 8)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="batch rows, e.g. 1,8")
     ap.add_argument(
         "--gated",
         action="store_true",
@@ -267,7 +290,8 @@ def main(argv=None) -> None:
     rows = []
     for name in args.shapes.split(","):
         n, k = {**SHAPES, **EXTRA_SHAPES}[name]
-        rows += bench_shape(name, n, k, sms, copy_gbs, args.wide)
+        ms = tuple(int(m) for m in args.ms.split(","))
+        rows += bench_shape(name, n, k, sms, copy_gbs, args.wide, args.diag, ms)
         torch.cuda.empty_cache() if not SMOKE else None
     print_table(rows, copy_gbs)
     finish(t0, meta, copy_gbs, rows, args.json)

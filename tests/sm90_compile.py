@@ -198,7 +198,7 @@ def gemv_kernel(
         ptrs.update(Send=f"*{x}", SendFlag="*i64", Calls="*i64")
     unfolded = {} if fold else dict(Send=None, SendFlag=None, Calls=None, stride_send=0)
     fp8 = w_scale > 0
-    dot = m > 1 or fp8
+    dot = m > 1 or fp8 or diag
     consts = dict(HAS_BIAS=False, SPLIT=split, USE_DOT=dot, EVEN_K=True,
                   BLOCK_M=16 if dot and not diag else 1, BLOCK_N=tile[0], BLOCK_K=tile[1],
                   NUM_STAGES=tile[3], MERGE_S=4 if split else 1, CHAIN=True, W_SCALE=w_scale,
@@ -463,6 +463,8 @@ _FP8_M8 = (64, 256, 4, 4)
 GEMV_VARIANTS = {
     "gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3)),
     "gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3)),
+    "gemv-bf16-m1-diag": lambda: gemv_summary("bf16", tile=_FP8_NARROW, diag=True),
+    "gemv-bf16-m8-diag": lambda: gemv_summary("bf16", m=8, tile=_FP8_NARROW, diag=True),
     "gemv-fp8-channel-m1": lambda: gemv_summary("fp8e4nv", tile=_FP8_NARROW, w_scale=1),
     "gemv-fp8-channel-m1-split": lambda: gemv_summary("fp8e4nv", tile=_FP8_SPLIT, w_scale=1,
                                                       split=True),

@@ -193,14 +193,10 @@ def test_fp8_gemv_diag_matches_reference(config, scales, m):
 
 def test_fp8_gemv_diag_refuses_what_it_cannot_take():
     q, scale = _weight(64, 512, "channel")
-    for what, x, config, w in [
-        ("nine rows", torch.randn(9, 512, device=DEVICE).half(), None, q),
-        ("BLOCK_K 64", torch.randn(1, 512, device=DEVICE).half(), (16, 64, 1, 1, 2), q),
-        ("a float weight", torch.randn(1, 512, device=DEVICE).half(), None, q.half()),
-    ]:
+    for what, m, config in [("nine rows", 9, None), ("BLOCK_K 64", 1, (16, 64, 1, 1, 2))]:
+        x = torch.randn(m, 512, device=DEVICE).half()
         with pytest.raises(ValueError, match="diag takes M <= 8"):
-            linear_small_m(x, w, weight_scale=scale if w is q else None, config=config,
-                           diag=True)  # fmt: skip
+            linear_small_m(x, q, weight_scale=scale, config=config, diag=True)
             pytest.fail(what)
 
 

@@ -40,13 +40,13 @@ def reference(x, w, bias=None) -> torch.Tensor:
     return ref + bias.double() if bias is not None else ref
 
 
-def run(m, n, k, dtype, bias=False, config=None, x_pad=0, out_pad=0):
+def run(m, n, k, dtype, bias=False, config=None, x_pad=0, out_pad=0, diag=False):
     """linear_small_m on random inputs (x and out with ``*_pad`` extra columns per row)."""
     x = torch.randn(m, k + x_pad, device=DEVICE).to(dtype)[:, :k]
     w = torch.randn(n, k, device=DEVICE).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
     out = torch.full((m, n + out_pad), float("nan"), device=DEVICE, dtype=dtype)[:, :n]
-    got = linear_small_m(x, w, b, out=out, config=config)
+    got = linear_small_m(x, w, b, out=out, config=config, diag=diag)
     assert got.data_ptr() == out.data_ptr()
     return got, reference(x, w, b)
 
@@ -91,6 +91,20 @@ def test_split_k(dtype, m, config):
     torch.manual_seed(1234 + m)
     unsplit, _ = run(m, n, k, dtype, bias=True, config=config[:2] + (1,) + config[3:])
     assert_close(out, unsplit.double(), 2 * TOL[dtype], "split vs unsplit")
+
+
+# diag (x's rows in 8 / M chunks as the dot's columns): one and four warps, K tails, split
+DIAG_CONFIGS = [(16, 128, 1, 1, 2), (32, 256, 3, 1, 3), (64, 128, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("config", DIAG_CONFIGS)
+def test_diag_matches_reference(dtype, m, config):
+    """``diag`` on a float weight (M = 1 on tl.dot, where it otherwise multiplies
+    elementwise): the reference's sums, K with a tail, a bias, padded rows, split or not."""
+    out, ref = run(m, 72, 700, dtype, bias=True, config=config, x_pad=5, out_pad=3, diag=True)
+    assert_close(out, ref, TOL[dtype], f"diag M={m} {config}")
 
 
 def test_split_counters_left_zero():
@@ -172,6 +186,17 @@ def test_llama_shapes_bf16(n, k, m):
     """Llama-3-8B shapes in bf16, heuristic configs (N=1024 at M > 1 splits K on an H100)."""
     out, ref = run(m, n, k, torch.bfloat16, bias=True)
     assert_close(out, ref, TOL[torch.bfloat16], f"bf16 M={m} N={n} K={k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(16, 256, 1, 1, 6), (32, 128, 4, 1, 6), (64, 256, 1, 4, 3)])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_diag_llama_shapes_bf16(config, m):
+    """``diag`` in bf16 at Llama-3-8B's o_proj and down shapes (the tiles ``kernels.bench_gemv
+    --diag`` times; their layouts exist only on the GPU)."""
+    for n, k in [(4096, 4096), (4096, 14336)]:
+        out, ref = run(m, n, k, torch.bfloat16, bias=True, config=config, diag=True)
+        assert_close(out, ref, TOL[torch.bfloat16], f"bf16 diag M={m} N={n} K={k} {config}")
 
 
 @pytest.mark.gpu
