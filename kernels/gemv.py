@@ -402,7 +402,7 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
     return max(1, min(triton.cdiv(num_sms, tiles_n), k // max(_MIN_SPLIT_K, block_k)))
 
 
-# float8 weights (W_SCALE 1, 2), every M on tl.dot (M padded to 16: one tile shape for every M).
+# float8 weights (W_SCALE 1, 2), every M on tl.dot (M padded to 16; ``diag`` aside).
 # H200 (132 SMs, copy 4,247 GB/s), M = 1, Llama-3-8B shapes, graph replay, 2026-11-27
 # (`python -m kernels.bench_fp8 --sweep --ms 1`, docs/benchmarks/fp8.md), µs per channel /
 # block scales, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages):
