@@ -122,6 +122,9 @@ def _rows(x, ROWS: tl.constexpr):
 # at M = 1, fp8 per channel, against x repeated to 16 columns: (16, 256, 1 warp) 1.41 / 2.89,
 # (32, 128, 1 warp, split) 1.21 / 2.08.
 _DIAG_COLS = tl.constexpr(8)
+# diag by default (gemv_config's tiles for it, linear_small_m's diag when not given) up to this
+# M; 0: never, until a GPU has timed it (docs/benchmarks/device/gemv.sh)
+_DIAG_UP_TO_M = 0
 
 
 @triton.jit
@@ -428,7 +431,8 @@ W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCA
 
 
 def _fp8_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a float8 weight [n, k]."""
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a float8 weight [n, k] (at M = 1
+    also diag's tiles for any weight: ``gemv_config``)."""
     if triton.cdiv(n, _FP8_TILE_WIDE[0]) >= num_sms:
         tile, split = _FP8_TILE_WIDE, 1
     elif m > 1:
@@ -444,10 +448,14 @@ def _fp8_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, in
 
 
 def gemv_config(
-    m: int, n: int, k: int, num_sms: int, w_scale: int = W_SCALE_NONE
-) -> tuple[int, int, int, int, int]:
+    m: int, n: int, k: int, num_sms: int, w_scale: int = W_SCALE_NONE,
+    diag_up_to: int = _DIAG_UP_TO_M,
+) -> tuple[int, int, int, int, int]:  # fmt: skip
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product;
-    ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2) scales."""
+    ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2) scales; up to
+    ``diag_up_to`` rows the tiles of diag (fp8's one-warp M = 1 tiles, for any weight)."""
+    if m <= diag_up_to:
+        return _fp8_config(1, n, k, num_sms)
     if w_scale != W_SCALE_NONE:
         return _fp8_config(m, n, k, num_sms)
     if m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
@@ -533,7 +541,7 @@ def linear_small_m(
     chain: bool = True,
     act: str | None = None,  # "silu" or "gelu_tanh": the gated MLP's activation, out [M, N/2]
     fold: AllReduceFold | None = None,  # a row-parallel layer's output sent to the peer rank
-    diag: bool = False,  # M <= 8: x's rows in chunks as the dot's 8 columns (module doc)
+    diag: bool | None = None,  # M <= 8: x's rows in chunks as the dot's 8 columns (module doc)
 ) -> torch.Tensor:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
@@ -562,8 +570,8 @@ def linear_small_m(
     power of two) as 8 / M chunks each, side by side, against the weight tile viewed as 8 / M
     times the rows (``_dot_steps``), where it otherwise repeats x to 16 columns (and where M = 1
     on a float weight otherwise multiplies elementwise): half the MMAs and x converted once.
-    Not yet timed on a GPU: off unless asked (``kernels.bench_fp8 --sweep`` and
-    ``kernels.bench_gemv --diag`` time it).
+    None: up to ``_DIAG_UP_TO_M`` rows, today none (not yet timed on a GPU:
+    ``kernels.bench_fp8 --sweep`` and ``kernels.bench_gemv --diag`` time it).
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)
@@ -583,6 +591,8 @@ def linear_small_m(
         m, n, k, _num_sms(x.device), w_scale
     )
     fp8 = w_scale != W_SCALE_NONE
+    if diag is None:
+        diag = m <= _DIAG_UP_TO_M and block_k >= 128 and block_n >= 16
     use_dot = m > 1 or fp8 or diag
     _check_config(block_n, block_k, split_k, use_dot, w_scale)
     if diag and not (m <= 8 and block_k >= 128):

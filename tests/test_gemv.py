@@ -408,3 +408,20 @@ def test_gated_cuda_graph_replay(config, m):
         assert_close(out, ref, TOL[dt], f"graph replay {config}")
         unfused = torch_ops.gelu_tanh_and_mul(linear_small_m(x, w, config=config))
         assert_close(out, unfused.double(), 2 * TOL[dt], "fused vs unfused")
+
+
+def test_diag_tiles_of_the_heuristic():
+    """Where diag is the default (``diag_up_to``), ``gemv_config`` gives tiles it takes (the
+    fp8 one-warp tiles, for any weight) at every M up to it, and the plain picks above;
+    ``diag_up_to`` 0 (today's default) changes nothing."""
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (100, 4096)]:
+        for m in (1, 2, 8, 9, 16):
+            cfg = gemv_config(m, n, k, 132, diag_up_to=8)
+            if m <= 8:
+                assert cfg[0] >= 16 and cfg[1] >= 128 and k % cfg[1] == 0, (m, n, k, cfg)
+            else:
+                assert cfg == gemv_config(m, n, k, 132), (m, n, k, cfg)
+            assert gemv_config(m, n, k, 132, diag_up_to=0) == gemv_config(m, n, k, 132)
+    cfg = gemv_config(1, 72, 700, 132, diag_up_to=8)
+    out, ref = run(1, 72, 700, torch.float32, bias=True, config=cfg, diag=True)
+    assert_close(out, ref, TOL[torch.float32], f"diag at the heuristic's tile {cfg}")
