@@ -23,7 +23,7 @@ import torch
 
 from kernels.bench import SMOKE, graph_time
 from kernels.bench_gemv import DEV, DT, SHAPES, finish, rel_err, start
-from kernels.gemv import gemv_config, linear_small_m, split_k_for
+from kernels.gemv import default_diag, gemv_config, linear_small_m, split_k_for
 from kernels.quant import dequantize, quantize_blocks, quantize_per_channel
 
 MS = (1, 8)
@@ -66,11 +66,17 @@ def _splits(n: int, k: int, bn: int, bk: int, sms: int) -> list[int]:
     return [s for s in dict.fromkeys(splits) if s * bk <= k]
 
 
+def _pick(m: int, n: int, k: int, sms: int, w_scale: int) -> tuple:
+    """The heuristic's config and diag, as ``linear_small_m`` takes them by default."""
+    cfg = gemv_config(m, n, k, sms, w_scale)
+    return (*cfg, int(default_diag(m, cfg[0], cfg[1])))
+
+
 def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[tuple]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag): the heuristic's pick first
-    (diag 0); with ``sweep`` the fp8 tiles at their splits, each at M <= 8 with diag 1 too
+    (``_pick``); with ``sweep`` the fp8 tiles at their splits, each at M <= 8 with diag 1 too
     (``linear_small_m(diag=True)``, BLOCK_K >= 128)."""
-    pick = (*gemv_config(m, n, k, sms, W_SCALE[layout]), 0)
+    pick = _pick(m, n, k, sms, W_SCALE[layout])
     if not sweep or layout == "bf16":
         return [pick]
     more = [(bn, bk, s, w, st, 0) for bn, bk, w, st in _SWEEP
@@ -108,7 +114,7 @@ def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: floa
                 continue
             calls = [lambda s=s, c=cfg: run(*s, c) for s in sets]
             results.append((graph_time(calls, min_calls=CALLS), cfg, err))
-        pick = (*gemv_config(m, n, k, sms, W_SCALE[layout]), 0)
+        pick = _pick(m, n, k, sms, W_SCALE[layout])
         pick_us = next((t for t, c, _ in results if c == pick), math.nan)
         results.sort()
         us, cfg, err = results[0]

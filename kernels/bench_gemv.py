@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from kernels import quant
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.bench import SMOKE, copy_bandwidth, graph_time
-from kernels.gemv import _num_sms, gemv_config, linear_small_m, split_k_for
+from kernels.gemv import _num_sms, default_diag, gemv_config, linear_small_m, split_k_for
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter rounds bf16 wrongly
@@ -81,7 +81,8 @@ def candidates(m: int, n: int, k: int, sms: int, wide: bool, diag: bool = False)
     tiles = (_TILES_M1 + _WIDE_M1 * wide) if m == 1 else (_TILES_DOT + _WIDE_DOT * wide)
     if SMOKE:
         tiles = tiles[:2]
-    out = [(*gemv_config(m, n, k, sms), 0)]
+    cfg = gemv_config(m, n, k, sms)
+    out = [(*cfg, int(default_diag(m, cfg[0], cfg[1])))]
     for bn, bk, w, st in tiles:
         for split in dict.fromkeys((split_k_for(n, k, bn, bk, sms), 1, 2)):
             if (bn, bk, split, w, st, 0) not in out and split <= max(1, k // bk):
@@ -118,7 +119,7 @@ def bench_shape(name: str, n: int, k: int, sms: int, copy_gbs: float, wide: bool
         ref = F.linear(xs[0], ws[0])
         sets = [(xs[i], ws[i], outs[i]) for i in range(copies)]
         t_lin = graph_time([lambda s=s: F.linear(s[0], s[1], out=s[2]) for s in sets], CALLS)
-        pick = (*gemv_config(m, n, k, sms), 0)
+        pick = candidates(m, n, k, sms, False)[0]
         results, worst = [], 0.0
         for cfg in candidates(m, n, k, sms, wide, diag):
             o = torch.full((m, n), math.nan, device=DEV, dtype=DT)

@@ -471,6 +471,12 @@ def gemv_config(
     return block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), warps, stages
 
 
+def default_diag(m: int, block_n: int, block_k: int) -> bool:
+    """``linear_small_m``'s diag when not given: up to ``_DIAG_UP_TO_M`` rows, on tiles it
+    takes (BLOCK_N >= 16 for the dot, BLOCK_K >= 128)."""
+    return m <= _DIAG_UP_TO_M and block_n >= 16 and block_k >= 128
+
+
 def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
     """_linear_kernel's W_SCALE for a weight and its scales (None: not quantized), checked:
     a float8 e4m3 weight with float32 scales ``[N]`` or ``[cdiv(N, 128), cdiv(K, 128)]``."""
@@ -592,7 +598,7 @@ def linear_small_m(
     )
     fp8 = w_scale != W_SCALE_NONE
     if diag is None:
-        diag = m <= _DIAG_UP_TO_M and block_k >= 128 and block_n >= 16
+        diag = default_diag(m, block_n, block_k)
     use_dot = m > 1 or fp8 or diag
     _check_config(block_n, block_k, split_k, use_dot, w_scale)
     if diag and not (m <= 8 and block_k >= 128):
