@@ -22,8 +22,8 @@ import math
 import torch
 
 from kernels.bench import SMOKE, graph_time
-from kernels.bench_gemv import DEV, DT, SHAPES, finish, rel_err, start
-from kernels.gemv import default_diag, gemv_config, linear_small_m, split_k_for
+from kernels.bench_gemv import DEV, DT, SHAPES, finish, pick, rel_err, run, start
+from kernels.gemv import split_k_for
 from kernels.quant import dequantize, quantize_blocks, quantize_per_channel
 
 MS = (1, 8)
@@ -66,29 +66,18 @@ def _splits(n: int, k: int, bn: int, bk: int, sms: int) -> list[int]:
     return [s for s in dict.fromkeys(splits) if s * bk <= k]
 
 
-def _pick(m: int, n: int, k: int, sms: int, w_scale: int) -> tuple:
-    """The heuristic's config and diag, as ``linear_small_m`` takes them by default."""
-    cfg = gemv_config(m, n, k, sms, w_scale)
-    return (*cfg, int(default_diag(m, cfg[0], cfg[1])))
-
-
 def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[tuple]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag): the heuristic's pick first
-    (``_pick``); with ``sweep`` the fp8 tiles at their splits, each at M <= 8 with diag 1 too
-    (``linear_small_m(diag=True)``, BLOCK_K >= 128)."""
-    pick = _pick(m, n, k, sms, W_SCALE[layout])
+    (``bench_gemv.pick``); with ``sweep`` the fp8 tiles at their splits, each at M <= 8 with
+    diag 1 too (``linear_small_m(diag=True)``, BLOCK_K >= 128)."""
+    picked = pick(m, n, k, sms, W_SCALE[layout])
     if not sweep or layout == "bf16":
-        return [pick]
+        return [picked]
     more = [(bn, bk, s, w, st, 0) for bn, bk, w, st in _SWEEP
             for s in _splits(n, k, bn, bk, sms)]  # fmt: skip
     if m <= 8:
-        more = [c for c0 in [pick, *more] for c in (c0, (*c0[:5], 1)) if c[5] == 0 or c[1] >= 128]
-    return [pick] + [c for c in dict.fromkeys(more) if c != pick]
-
-
-def run(x, w, out, scale, cfg: tuple) -> torch.Tensor:
-    """``linear_small_m`` at a ``configs`` entry."""
-    return linear_small_m(x, w, out=out, weight_scale=scale, config=cfg[:5], diag=bool(cfg[5]))
+        more = [c for c0 in [picked, *more] for c in (c0, (*c0[:5], 1)) if c[5] == 0 or c[1] >= 128]
+    return [picked] + [c for c in dict.fromkeys(more) if c != picked]
 
 
 def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: float,
@@ -108,14 +97,14 @@ def bench_point(layout: str, name: str, n: int, k: int, sms: int, copy_gbs: floa
         results = []
         for cfg in configs(layout, m, n, k, sms, sweep):
             o = torch.full((m, n), math.nan, device=DEV, dtype=DT)
-            err = rel_err(run(xs[0], w0, o, s0, cfg), ref)
+            err = rel_err(run(xs[0], w0, o, cfg, s0), ref)
             if not err <= MAX_ERR:
                 print(f"  {layout} {name} M={m} {cfg}: rel err {err:.2e}: WRONG", flush=True)
                 continue
-            calls = [lambda s=s, c=cfg: run(*s, c) for s in sets]
+            calls = [lambda s=s, c=cfg: run(*s[:3], c, s[3]) for s in sets]
             results.append((graph_time(calls, min_calls=CALLS), cfg, err))
-        pick = _pick(m, n, k, sms, W_SCALE[layout])
-        pick_us = next((t for t, c, _ in results if c == pick), math.nan)
+        picked = pick(m, n, k, sms, W_SCALE[layout])
+        pick_us = next((t for t, c, _ in results if c == picked), math.nan)
         results.sort()
         us, cfg, err = results[0]
         row = {"layout": layout, "shape": name, "N": n, "K": k, "M": m, "bytes": size,

@@ -81,8 +81,7 @@ def candidates(m: int, n: int, k: int, sms: int, wide: bool, diag: bool = False)
     tiles = (_TILES_M1 + _WIDE_M1 * wide) if m == 1 else (_TILES_DOT + _WIDE_DOT * wide)
     if SMOKE:
         tiles = tiles[:2]
-    cfg = gemv_config(m, n, k, sms)
-    out = [(*cfg, int(default_diag(m, cfg[0], cfg[1])))]
+    out = [pick(m, n, k, sms)]
     for bn, bk, w, st in tiles:
         for split in dict.fromkeys((split_k_for(n, k, bn, bk, sms), 1, 2)):
             if (bn, bk, split, w, st, 0) not in out and split <= max(1, k // bk):
@@ -94,9 +93,16 @@ def candidates(m: int, n: int, k: int, sms: int, wide: bool, diag: bool = False)
     return out
 
 
-def run(x, w, out, cfg: tuple) -> torch.Tensor:
-    """``linear_small_m`` at a ``candidates`` entry."""
-    return linear_small_m(x, w, out=out, config=cfg[:5], diag=bool(cfg[5]))
+def pick(m: int, n: int, k: int, sms: int, w_scale: int = 0) -> tuple:
+    """The heuristic's (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag), as
+    ``linear_small_m`` takes them by default (kernels.bench_fp8 too)."""
+    cfg = gemv_config(m, n, k, sms, w_scale)
+    return (*cfg, int(default_diag(m, cfg[0], cfg[1])))
+
+
+def run(x, w, out, cfg: tuple, scale=None) -> torch.Tensor:
+    """``linear_small_m`` at a ``candidates`` (or bench_fp8 ``configs``) entry."""
+    return linear_small_m(x, w, out=out, weight_scale=scale, config=cfg[:5], diag=bool(cfg[5]))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -119,7 +125,7 @@ def bench_shape(name: str, n: int, k: int, sms: int, copy_gbs: float, wide: bool
         ref = F.linear(xs[0], ws[0])
         sets = [(xs[i], ws[i], outs[i]) for i in range(copies)]
         t_lin = graph_time([lambda s=s: F.linear(s[0], s[1], out=s[2]) for s in sets], CALLS)
-        pick = candidates(m, n, k, sms, False)[0]
+        picked = pick(m, n, k, sms)
         results, worst = [], 0.0
         for cfg in candidates(m, n, k, sms, wide, diag):
             o = torch.full((m, n), math.nan, device=DEV, dtype=DT)
@@ -131,13 +137,13 @@ def bench_shape(name: str, n: int, k: int, sms: int, copy_gbs: float, wide: bool
             calls = [lambda s=s, c=cfg: run(*s, c) for s in sets]
             results.append((graph_time(calls, min_calls=CALLS), cfg))
         results.sort()
-        t_pick = next((t for t, c in results if c == pick), math.nan)
+        t_pick = next((t for t, c in results if c == picked), math.nan)
         row = {
             "shape": name, "N": n, "K": k, "M": m,
             "linear_us": t_lin, "linear_gbs": gbs(t_lin),
             "best_cfg": list(results[0][1]), "best_us": results[0][0],
             "best_gbs": gbs(results[0][0]), "best_pct_copy": 100 * gbs(results[0][0]) / copy_gbs,
-            "pick_cfg": list(pick), "pick_us": t_pick, "pick_gbs": gbs(t_pick),
+            "pick_cfg": list(picked), "pick_us": t_pick, "pick_gbs": gbs(t_pick),
             "max_rel_err": worst, "configs": len(results),
             "all": [[list(c), round(t, 2)] for t, c in results],
         }  # fmt: skip

@@ -884,7 +884,8 @@ def _launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PTX=q.is_cuda and torch.version.hip is None,
         SCALES_AHEAD=scales_ahead(scales is not None, block_n, num_warps),
-        PREFETCH=-(-prefetch // block_n) * block_n if pdl and chain and row_bytes % 16 == 0 else 0,
+        PREFETCH=triton.cdiv(prefetch, block_n) * block_n if pdl and chain and row_bytes % 16 == 0
+        else 0,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
 

@@ -280,8 +280,8 @@ def _linear_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     # Out-of-range rows are clamped, not masked: every weight load is a full, unmasked tile.
     w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, PK]
+    G: tl.constexpr = _DIAG_COLS // BLOCK_M  # DIAG: chunks of each x row
     if USE_DOT and DIAG:  # chunk g of x's row m in column m G + g: [PK / G, 8]
-        G: tl.constexpr = _DIAG_COLS // BLOCK_M
         cols = tl.arange(0, _DIAG_COLS)
         offs_x = (cols % G * (PART_K // G))[None, :] + tl.arange(0, PART_K // G)[:, None]
         x_rows = tl.minimum(cols // G, M - 1)  # rows past M re-read row M - 1
@@ -298,8 +298,7 @@ def _linear_kernel(
             s_ptr = Scale + col0 // 128 * tl.cdiv(K, 128)
             s_up_ptr = Scale + (half + col0) // 128 * tl.cdiv(K, 128)
             if DIAG:  # the dot's rows: chunk c of tile column j at G j + c
-                rows = tl.arange(0, BLOCK_N * (_DIAG_COLS // BLOCK_M))
-                is_up = ((rows // (_DIAG_COLS // BLOCK_M)) % 2 == 1)[:, None]
+                is_up = ((tl.arange(0, BLOCK_N * G) // G) % 2 == 1)[:, None]
             else:
                 is_up = (offs_c % 2 == 1)[:, None]  # [BN, 1]
         else:
