@@ -76,7 +76,7 @@ def configs(layout: str, m: int, n: int, k: int, sms: int, sweep: bool) -> list[
     more = [(bn, bk, s, w, st, 0) for bn, bk, w, st in _SWEEP
             for s in _splits(n, k, bn, bk, sms)]  # fmt: skip
     if m <= 8:
-        more = [c for c0 in [picked, *more] for c in (c0, (*c0[:5], 1)) if c[5] == 0 or c[1] >= 128]
+        more = [(*c0[:5], d) for c0 in [picked, *more] for d in (0, 1) if d == 0 or c0[1] >= 128]
     return [picked] + [c for c in dict.fromkeys(more) if c != picked]
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from kernels import quant
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.bench import SMOKE, copy_bandwidth, graph_time
-from kernels.gemv import _num_sms, default_diag, gemv_config, linear_small_m, split_k_for
+from kernels.gemv import _num_sms, gemv_config, linear_small_m, split_k_for
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter rounds bf16 wrongly
@@ -96,8 +96,8 @@ def candidates(m: int, n: int, k: int, sms: int, wide: bool, diag: bool = False)
 def pick(m: int, n: int, k: int, sms: int, w_scale: int = 0) -> tuple:
     """The heuristic's (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag), as
     ``linear_small_m`` takes them by default (kernels.bench_fp8 too)."""
-    cfg = gemv_config(m, n, k, sms, w_scale)
-    return (*cfg, int(default_diag(m, cfg[0], cfg[1])))
+    *cfg, diag = gemv_config(m, n, k, sms, w_scale)
+    return (*cfg, int(diag))
 
 
 def run(x, w, out, cfg: tuple, scale=None) -> torch.Tensor:

@@ -27,11 +27,12 @@ are stored (``out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]``); block scales va
 a K step runs in parts of 128 columns (one block; the whole step if BLOCK_K <= 128), each part's
 product multiplied by its block's scale before it is added (BLOCK_N divides 128: a tile's rows
 share their block row). A bf16/fp16/fp32 weight (``W_SCALE`` 0) compiles to the same loops as
-before fp8 existed. At M <= 8, ``diag`` (any weight; opt-in until timed on a GPU) gives the
-dot 8 columns, x's rows in 8 / M chunks each, instead of x repeated to 16, the weight tile
-viewed as 8 / M times the rows, and keeps the diagonal blocks: half the MMAs; fp8 at M = 1
-half the SASS per byte (``_dot_steps``; bf16 M = 8 0.42 against 0.90, M = 1 against the
-elementwise loop's 1.97).
+before fp8 existed. At M <= 8, ``diag`` (any weight) gives the dot 8 columns, x's rows in
+8 / M chunks each, instead of x repeated to 16, the weight tile viewed as 8 / M times the rows,
+and keeps the diagonal blocks: half the MMAs; fp8 at M = 1 half the SASS per byte
+(``_dot_steps``; bf16 M = 8 0.42 against 0.90, M = 1 against the elementwise loop's 1.97).
+``gemv_config`` picks it where it measured faster: fp8 at M = 1 on 16-row one-warp tiles, bf16
+at M = 2-8.
 
 Gated MLPs (``GATED``, ``linear_small_m(act=...)``): the weight is the fused ``[gate; up]``
 projection ``[2I, K]`` and the kernel writes ``act(x @ gate.T) * (x @ up.T)`` ``[M, I]``,
@@ -122,9 +123,6 @@ def _rows(x, ROWS: tl.constexpr):
 # at M = 1, fp8 per channel, against x repeated to 16 columns: (16, 256, 1 warp) 1.41 / 2.89,
 # (32, 128, 1 warp, split) 1.21 / 2.08.
 _DIAG_COLS = tl.constexpr(8)
-# diag by default (gemv_config's tiles for it, linear_small_m's diag when not given) up to this
-# M; 0: never, until a GPU has timed it (docs/benchmarks/device/gemv.sh)
-_DIAG_UP_TO_M = 0
 
 
 @triton.jit
@@ -380,12 +378,21 @@ _TILE_M1_LONG_PAD = 0.1
 # Under one 8-row tile per SM, 4-row tiles: qkv at tensor parallel 8 (768 rows) 4.5 us vs 4.9,
 # 256 rows x 14336 5.9 vs 6.1 (at 5 splits; 7.9 unsplit).
 _TILE_M1_NARROW = (4, 1024, 4, 4)
-# M > 1 (tl.dot, M padded to 16): BLOCK_N 64 (wgmma) is best where it gives >= ~0.7 programs per
-# SM (qkv M=8: 20.1 us vs 22.7 at BLOCK_N 32; gate_up 81.1 vs 86.1; lm_head 345 vs 349); below
-# that BLOCK_N 32 (o_proj M=16: 14.9 us vs 15.7 at 64; down: 43.6 vs 46.5).
+# M > 8 (tl.dot, M padded to 16): BLOCK_N 64 (wgmma) is best where it gives >= ~0.7 programs
+# per SM (qkv M=8: 20.1 us vs 22.7 at BLOCK_N 32; gate_up 81.1 vs 86.1; lm_head 345 vs 349);
+# below that BLOCK_N 32 (o_proj M=16: 14.9 us vs 15.7 at 64; down: 43.6 vs 46.5).
 _TILE_DOT_WIDE = (64, 256, 4, 3)
 _TILE_DOT_NARROW = (32, 256, 4, 4)
 _WIDE_TILES_PER_SM = 0.7
+# M = 2-8: diag on one-warp mma.sync tiles, 16 rows where they give >= 2.5 programs per SM,
+# else 32. H100, M = 8, 2026-11-27 (`python -m kernels.bench_gemv --diag --ms 8`,
+# docs/benchmarks/kernels.md), us, diag against the wgmma tiles above: qkv (16) 19.4 / 20.1,
+# gate_up (16) 79.9 / 81.5, lm_head (16) 342 / 344, o_proj (32) 13.8 / 14.7, down (32)
+# 42.3 / 44.1 (the best of 34-35 tiles within 0.5 us everywhere).
+_TILE_DIAG = (16, 256, 1, 6)
+_TILE_DIAG_NARROW = (32, 256, 1, 4)
+_DIAG_PROGRAMS_PER_SM = 2.5
+_DIAG_MAX_M = 8  # diag's dot is 8 columns wide
 # Split-K costs ~1.5 us (the partials' round trip and the last program's serial sum): no shape
 # above gained from it (o_proj M=1 (16, 512): 13.9 us unsplit, 15.1 at 2 splits; M=16 (32, 256):
 # 14.9 / 16.2 at 3; (64, 256), 64 programs: 15.5 unsplit, 17.8 at 4). Only grids of fewer than
@@ -416,48 +423,55 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
 # - else 32-row one-warp tiles split over K to ~3.5 programs per SM: o_proj (128 tiles, 4
 #   splits) 7.6 / 7.0 (was 11.4 / 22.0; unsplit 16-row tiles 9.0+), down 17.4 / 16.9 (was
 #   32.7 / 74.2). A one-warp program streams too little alone: fill the SMs with them.
+# Then diag (H100, M = 1, per channel, 2026-11-27, `kernels.bench_fp8 --sweep --ms 1`, 60+
+# tiles a shape): on the 16-row one-warp tile it is the fastest tile of every narrow shape,
+# unsplit, from one program per SM: qkv 11.35 (11.68 without diag), o_proj 8.32 (9.58; the
+# split 32-row tile 9.41), down 22.92 (25.54; split 24.34). So 16-row diag tiles from one
+# program per SM, the split 32-row tiles below that.
 # M > 1 (not timed yet): 4 warps over 64 rows (wgmma) below one 128-row tile per SM: x's M
 # rows are in every warp's registers (M = 16 on a one-warp tile spills).
 _FP8_TILE_WIDE = (128, 128, 2, 4)
 _FP8_TILE = (64, 256, 4, 4)
 _FP8_TILE_NARROW = (16, 256, 1, 6)
 _FP8_TILE_SPLIT = (32, 128, 1, 6)
-_FP8_NARROW_PROGRAMS_PER_SM = 2.5
+_FP8_NARROW_PROGRAMS_PER_SM = 1
 _FP8_SPLIT_PROGRAMS_PER_SM = 3.5
 _FP8_MIN_SPLIT_K = 512  # K elements per split at least (4 tiles)
 
 W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
 
 
-def _fp8_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a float8 weight [n, k] (at M = 1
-    also diag's tiles for any weight: ``gemv_config``)."""
+def _fp8_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int, bool]:
+    """``gemv_config`` for a float8 weight [n, k]."""
+    diag = False
     if triton.cdiv(n, _FP8_TILE_WIDE[0]) >= num_sms:
         tile, split = _FP8_TILE_WIDE, 1
     elif m > 1:
         tile, split = _FP8_TILE, 1
     elif triton.cdiv(n, _FP8_TILE_NARROW[0]) >= _FP8_NARROW_PROGRAMS_PER_SM * num_sms:
-        tile, split = _FP8_TILE_NARROW, 1
+        tile, split, diag = _FP8_TILE_NARROW, 1, True
     else:
         tile = _FP8_TILE_SPLIT
         want = math.ceil(_FP8_SPLIT_PROGRAMS_PER_SM * num_sms / triton.cdiv(n, tile[0]))
         split = max(1, min(want, k // _FP8_MIN_SPLIT_K))
     block_n, block_k, warps, stages = tile
-    return block_n, block_k, split, warps, stages
+    return block_n, block_k, split, warps, stages, diag
 
 
 def gemv_config(
-    m: int, n: int, k: int, num_sms: int, w_scale: int = W_SCALE_NONE,
-    diag_up_to: int = _DIAG_UP_TO_M,
-) -> tuple[int, int, int, int, int]:  # fmt: skip
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for an [m, k] x [n, k]^T product;
-    ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2) scales; up to
-    ``diag_up_to`` rows the tiles of diag (fp8's one-warp M = 1 tiles, for any weight)."""
-    if m <= diag_up_to:
-        return _fp8_config(1, n, k, num_sms)
+    m: int, n: int, k: int, num_sms: int, w_scale: int = W_SCALE_NONE
+) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, diag) for an [m, k] x [n, k]^T
+    product; ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2)
+    scales."""
     if w_scale != W_SCALE_NONE:
         return _fp8_config(m, n, k, num_sms)
-    if m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
+    diag = 1 < m <= _DIAG_MAX_M
+    if diag and triton.cdiv(n, _TILE_DIAG[0]) >= _DIAG_PROGRAMS_PER_SM * num_sms:
+        tile = _TILE_DIAG
+    elif diag:
+        tile = _TILE_DIAG_NARROW
+    elif m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
         tile = _TILE_M1_NARROW
     elif m == 1:
         pad = triton.cdiv(k, _TILE_M1_LONG[1]) * _TILE_M1_LONG[1] - k
@@ -467,13 +481,8 @@ def gemv_config(
     else:
         tile = _TILE_DOT_NARROW
     block_n, block_k, warps, stages = tile
-    return block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), warps, stages
-
-
-def default_diag(m: int, block_n: int, block_k: int) -> bool:
-    """``linear_small_m``'s diag when not given: up to ``_DIAG_UP_TO_M`` rows, on tiles it
-    takes (BLOCK_N >= 16 for the dot, BLOCK_K >= 128)."""
-    return m <= _DIAG_UP_TO_M and block_n >= 16 and block_k >= 128
+    split = split_k_for(n, k, block_n, block_k, num_sms)
+    return block_n, block_k, split, warps, stages, diag
 
 
 def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
@@ -575,8 +584,7 @@ def linear_small_m(
     power of two) as 8 / M chunks each, side by side, against the weight tile viewed as 8 / M
     times the rows (``_dot_steps``), where it otherwise repeats x to 16 columns (and where M = 1
     on a float weight otherwise multiplies elementwise): half the MMAs and x converted once.
-    None: up to ``_DIAG_UP_TO_M`` rows, today none (not yet timed on a GPU:
-    ``kernels.bench_fp8 --sweep`` and ``kernels.bench_gemv --diag`` time it).
+    None: ``gemv_config``'s choice without ``config``, off with it.
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)
@@ -592,12 +600,12 @@ def linear_small_m(
         if gated:
             raise ValueError("fold takes a row-parallel layer's output, not a gated one")
         fold.check(out, "the GEMV's output")
-    block_n, block_k, split_k, num_warps, num_stages = config or gemv_config(
-        m, n, k, _num_sms(x.device), w_scale
-    )
+    if config is None:
+        *config, picked = gemv_config(m, n, k, _num_sms(x.device), w_scale)
+        diag = picked if diag is None else diag
+    block_n, block_k, split_k, num_warps, num_stages = config
+    diag = bool(diag)
     fp8 = w_scale != W_SCALE_NONE
-    if diag is None:
-        diag = default_diag(m, block_n, block_k)
     use_dot = m > 1 or fp8 or diag
     _check_config(block_n, block_k, split_k, use_dot, w_scale)
     if diag and not (m <= 8 and block_k >= 128):

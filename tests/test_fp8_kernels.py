@@ -262,23 +262,27 @@ def test_fp8_gemv_block_scales_read_none_past_the_row(config):
 
 
 def test_fp8_gemv_heuristic_tiles():
-    """fp8 tiles at Llama-3-8B shapes on 132 SMs (the 2026-11-27 sweep): gate_up 2-warp tiles
-    of 128 rows, qkv one-warp 16-row tiles unsplit, o_proj and down 32-row ones split to fill
-    the SMs (M = 1); M > 1 unsplit. Every tile on tl.dot (BLOCK_N >= 16), sharing its 128x128
-    blocks' scale rows, K in whole tiles."""
+    """fp8 tiles at Llama-3-8B shapes on 132 SMs (the 2026-11-27 sweeps): gate_up 2-warp
+    tiles of 128 rows, qkv, o_proj and down one-warp 16-row diag tiles unsplit (M = 1); M > 1
+    unsplit, no diag; narrower layers 32-row tiles split to fill the SMs. Every tile on tl.dot
+    (BLOCK_N >= 16), sharing its 128x128 blocks' scale rows, K in whole tiles."""
     picks = {}
-    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)]:
         for m in (1, 8, 16):
             for w_scale in (1, 2):
                 cfg = gemv_config(m, n, k, 132, w_scale)
-                block_n, block_k, split, _, _ = cfg
+                block_n, block_k, split, _, _, diag = cfg
                 assert k % block_k == 0 and 16 <= block_n <= 128 and 128 % block_n == 0, cfg
-                assert split == 1 or (m == 1 and 3 * 132 <= split * n // block_n <= 5 * 132)
+                programs = split * n // block_n  # ~3.5 an SM, or splits of 512 columns
+                assert split == 1 or (m == 1 and (3 * 132 <= programs <= 5 * 132
+                                                  or split == k // 512)), cfg  # fmt: skip
+                assert not diag or (m == 1 and block_k >= 128), cfg
                 picks[(m, n, k, w_scale)] = cfg
-    assert picks[(1, 28672, 4096, 1)] == (128, 128, 1, 2, 4)
-    assert picks[(1, 6144, 4096, 1)] == (16, 256, 1, 1, 6)
-    assert picks[(1, 4096, 4096, 2)] == (32, 128, 4, 1, 6)
-    assert picks[(1, 4096, 14336, 1)] == (32, 128, 4, 1, 6)
+    assert picks[(1, 28672, 4096, 1)] == (128, 128, 1, 2, 4, False)
+    assert picks[(1, 6144, 4096, 1)] == (16, 256, 1, 1, 6, True)
+    assert picks[(1, 4096, 4096, 2)] == (16, 256, 1, 1, 6, True)
+    assert picks[(1, 4096, 14336, 1)] == (16, 256, 1, 1, 6, True)
+    assert picks[(1, 1024, 4096, 1)] == (32, 128, 8, 1, 6, False)
     assert picks[(8, 4096, 14336, 1)][2] == 1
     # a short K caps the splits at 512 columns each
     assert gemv_config(1, 1024, 1024, 132, 1)[2] == 2

@@ -129,7 +129,7 @@ def test_heuristic_configs():
     """Llama-3-8B shapes on an H100: no split, full tiles."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
         for m in (1, 8, 16):
-            block_n, block_k, split, warps, stages = gemv_config(m, n, k, 132)
+            block_n, block_k, split, warps, stages, _ = gemv_config(m, n, k, 132)
             assert split == 1 and k % block_k == 0, (m, n, k)
             assert m == 1 or block_n >= 16
 
@@ -411,17 +411,21 @@ def test_gated_cuda_graph_replay(config, m):
 
 
 def test_diag_tiles_of_the_heuristic():
-    """Where diag is the default (``diag_up_to``), ``gemv_config`` gives tiles it takes (the
-    fp8 one-warp tiles, for any weight) at every M up to it, and the plain picks above;
-    ``diag_up_to`` 0 (today's default) changes nothing."""
+    """``gemv_config`` takes diag at M = 2-8 on a float weight (one-warp tiles it takes: BLOCK_N
+    >= 16, BLOCK_K >= 128 dividing K), never at M = 1 or over 8; and ``linear_small_m`` runs
+    it by default there (the same sums as without)."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (100, 4096)]:
         for m in (1, 2, 8, 9, 16):
-            cfg = gemv_config(m, n, k, 132, diag_up_to=8)
-            if m <= 8:
-                assert cfg[0] >= 16 and cfg[1] >= 128 and k % cfg[1] == 0, (m, n, k, cfg)
-            else:
-                assert cfg == gemv_config(m, n, k, 132), (m, n, k, cfg)
-            assert gemv_config(m, n, k, 132, diag_up_to=0) == gemv_config(m, n, k, 132)
-    cfg = gemv_config(1, 72, 700, 132, diag_up_to=8)
-    out, ref = run(1, 72, 700, torch.float32, bias=True, config=cfg, diag=True)
-    assert_close(out, ref, TOL[torch.float32], f"diag at the heuristic's tile {cfg}")
+            block_n, block_k, split, warps, _, diag = gemv_config(m, n, k, 132)
+            assert diag == (2 <= m <= 8), (m, n, k)
+            if diag:
+                assert block_n >= 16 and block_k >= 128 and k % block_k == 0 and warps == 1
+                assert split == 1 or n == 100, (m, n, k, split)
+    assert gemv_config(8, 6144, 4096, 132)[0] == 16 and gemv_config(8, 4096, 4096, 132)[0] == 32
+    for m in (3, 8):
+        x = torch.randn(m, 700, device=DEVICE, dtype=torch.float32)
+        w = torch.randn(72, 700, device=DEVICE, dtype=torch.float32)
+        want = linear_small_m(x, w, config=gemv_config(m, 72, 700, 4)[:5], diag=False)
+        got = linear_small_m(x, w)
+        assert_close(got, x.double() @ w.double().T, TOL[torch.float32], f"default M={m}")
+        assert_close(got, want.double(), TOL[torch.float32], f"diag vs not M={m}")
