@@ -390,6 +390,8 @@ def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
     reshaped weight tile and 8-column dot), with a gated epilogue."""
     n, k = 1000, 4000
     q, scale = _weight(n, k, scales)
+    # gated with block scales: I a multiple of 128 (each half's rows in whole block rows)
+    gq, gscale = (q, scale) if scales == "channel" else _weight(1024, k, scales)
     config = (*tile[:2], split, *tile[2:])
     for m in (1, 5, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -399,8 +401,8 @@ def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = linear_small_m(x, q, weight_scale=scale, config=config, diag=True)
         assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m} diag")
-        gated = linear_small_m(x, q, weight_scale=scale, config=config, act="silu", diag=True)
-        g, u = _ref(x, q, scale).chunk(2, dim=1)
+        gated = linear_small_m(x, gq, weight_scale=gscale, config=config, act="silu", diag=True)
+        g, u = _ref(x, gq, gscale).chunk(2, dim=1)
         want = torch.nn.functional.silu(g) * u
         assert_close(gated, want, TOL[torch.bfloat16], f"{scales} {tile} M={m} diag gated")
 

@@ -117,7 +117,10 @@ def check_norm_add_norm(x, res, w_post, w, eps, unit_offset, what) -> None:
     ulps (of x's dtype) of the normed value before the sum rounds; the second norm is within
     its ulps of the norm of the kernel's residual; and both outputs equal, bit for bit, the
     two launches the fused one replaces (on the GPU a float32 first norm is not compared so:
-    the separate kernels may contract a multiply-add that the fused one must not)."""
+    the separate kernels may contract a multiply-add that the fused one must not; for the same
+    reason the second norm's output, where the fused kernel compiles without contraction (a
+    first norm without ``unit_offset``), is compared within one ulp there: H100, fp16 at 3840,
+    one element of 5 x 3840 differed)."""
     out, new_res = norm_add_norm(x, res, w_post, w, eps, unit_offset)
     ref_out, ref_res = reference.norm_add_norm(x, res, w_post, w, eps, unit_offset)
     assert (out.dtype, new_res.dtype) == (ref_out.dtype, ref_res.dtype), what
@@ -139,7 +142,10 @@ def check_norm_add_norm(x, res, w_post, w, eps, unit_offset, what) -> None:
         sep_out, sep_res = add_rms_norm(rms_norm(x, w_post, eps, unit_offset), res, w, eps,
                                         unit_offset)  # fmt: skip
         assert torch.equal(new_res, sep_res), f"{what}: residual differs from the two launches"
-        assert torch.equal(out, sep_out), f"{what}: output differs from the two launches"
+        if DEVICE == "cpu" or unit_offset:
+            assert torch.equal(out, sep_out), f"{what}: output differs from the two launches"
+        else:
+            assert_within_ulp(out, sep_out, f"{what}: output against the two launches'")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
