@@ -7,10 +7,9 @@ model with a bf16 cache and bf16 weights. On the CPU (torch backend, bf16) in CI
 The bounds hold the measured values with room (CPU, 6 models, 2026-11-27: agreement 96-98% /
 89-91% / 88-91% for fp8 KV / weights / both, KL means 1.5-2.1e-4 / 1.8-2.1e-3 / 1.9-2.3e-3
 nats, perplexity within 0.5%; H100, one model: 96% / 86% / 86%, 2.3e-4 / 3.8e-3 / 4.1e-3,
-within 0.5%) and are far from what a
-wrong scale gives: a scale 1.25x off in the weights, 23-26% agreement and KL 0.23; in the KV
-pages, 57% and 0.047. (The perplexity of a random text under a random model, ~850, moves
-little even then: agreement and KL are the sharp checks.)
+within 0.5%) and are far from what a wrong scale gives: a scale 1.25x off in the weights,
+23-26% agreement and KL 0.23; in the KV pages, 57% and 0.047. (The perplexity of a random text
+under a random model, ~850, moves little even then: agreement and KL are the sharp checks.)
 """
 
 from __future__ import annotations
