@@ -508,9 +508,13 @@ class DecodeTuning:
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
     # / 31.7, 64K 95.0 / 98.8; B=32/4K: 1 split (256 programs) 184 µs, 2 splits (512) 195.
     programs_per_sm: int = 2
-    # Tokens per split at least (4 tiles; the heuristic only): B=1/4K, (64, 4, 3): 16 splits
-    # of 256 tokens 11.8 µs, 32 of 128 12.3, 64 of 64 15.8.
-    min_split_tokens: int = 256
+    # Tokens per split at least (the heuristic only). H100, 2026-11-27 (`kernels.bench --sweep
+    # splits`, graph replay, µs, 16 / 32 splits): B=1/4K bf16 (64, 4, 3) 11.6 / 10.3, fp8
+    # (128, 4, 3) 11.6 / 11.0; end to end (bench decode, dummy:llama3.1-8b, batch 1, 4K, 256
+    # against 128 alternated twice, docs/benchmarks/decode.md) 5.68, 5.68 / 5.65, 5.66 ms a
+    # step, fp8 cache 5.68 / 5.66; 32K (32 splits either way) level. It was 256 (an older
+    # kernel: 16 splits 11.8, 32 12.3, 64 of 64 tokens 15.8).
+    min_split_tokens: int = 128
     # The same for head dims over 128: a 1,024-token window (Gemma 3's local layers), B=1,
     # 16/8 heads of 256: 64-token splits 9.0 µs, 128 10.4, 256 12.0; global 4K and 32K level
     # (17.4 / 95.7-96.0 at 64, 128 and 256).

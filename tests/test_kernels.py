@@ -219,10 +219,10 @@ def test_decode_tuning_sizes_the_splits():
         return plan_splits(1, 2, 64, 2, max_len, 132, DecodeTuning(**fields))
 
     default = plan(65536)
-    assert default.splits == 128 and default.min_split == 256  # 2 per SM x 132 / 2 heads
+    assert default.splits == 128 and default.min_split == 128  # 2 per SM x 132 / 2 heads
     assert plan(65536, programs_per_sm=1).splits == 64
     assert plan(65536, max_splits=16).splits == 16
-    assert plan(4096).splits == 16  # 4K / 256-token splits
+    assert plan(4096).splits == 32  # 4K / 128-token splits
     assert plan(4096, min_split_tokens=512).splits == 8
     assert plan(4096, min_split_tokens=512).min_split == 512
     assert plan(4096, min_split_tokens=100).min_split == 128  # whole tiles of 64
@@ -667,8 +667,9 @@ def test_decode_plan_follows_the_window():
     plan of a 4K context; split_size mode counts the window's first, partial tile too."""
     from kernels.decode import plan_splits
 
-    # (head dim 256 at B=1 has 16 splits from 1K up: the window that changes its plan is shorter)
-    for batch, hkv, d, w in ((1, 8, 128, 4096), (8, 8, 128, 4096), (1, 8, 256, 512),
+    # (B=1 has its 32 splits (head dim 256: 16) from 4K (1K) up: the window that changes its
+    # plan is shorter)
+    for batch, hkv, d, w in ((1, 8, 128, 2048), (8, 8, 128, 4096), (1, 8, 256, 512),
                              (32, 4, 64, 4096)):  # fmt: skip
         at_w = plan_splits(batch, hkv, d, 2, w, 132)
         assert plan_splits(batch, hkv, d, 2, 131072, 132, window=w) == at_w
