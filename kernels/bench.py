@@ -461,6 +461,10 @@ def print_window_table(rows: list[dict]) -> None:
         print(f"| {r['kind']} | {r['heads']} | {n} | " + " | ".join(cells) + " |")
 
 
+# per-sm: stage-1 programs an SM the split heuristic aims for (DecodeTuning.programs_per_sm),
+# over tiles whose pipeline leaves room for 3 (2 stages) or 2 (3 stages) in shared memory
+PER_SM_CONFIGS = {"bf16": [(64, 4, 3), (64, 4, 2)], "fp8": [(128, 4, 3), (128, 4, 2), (64, 4, 3)]}
+PER_SM_CHOICES = (1, 2, 3, 4)
 DECODE_CONFIGS = [  # DecodeTuning.tiles; the first is decode_config's default
     (64, 4, 4), (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (64, 8, 3), (64, 8, 4),
     (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
@@ -505,7 +509,8 @@ GLUON_CONFIGS = {  # head dim: [GluonConfig], the default first (sm90_compile: n
     64: [G(128, 4), G(64, 4), G(128, 4, pingpong=False), G(128, 2)],
     256: [G(64, 2), G(64, 2, pingpong=False), G(32, 4)],
 }  # fmt: skip
-SWEEPS = ("decode-config", "pdl", "layout", "splits", "page", "prefill", "hopper", "gluon")
+SWEEPS = ("decode-config", "per-sm", "pdl", "layout", "splits", "page", "prefill", "hopper",
+          "gluon")  # fmt: skip
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -514,7 +519,9 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
 
     Decode variants are ``DecodeTuning`` values or call arguments, never module state.
     decode-config: stage-1 (BLOCK_N, warps, stages) (``DecodeTuning.tiles``;
-    ``FP8_DECODE_CONFIGS`` over an fp8 cache); pdl: programmatic dependent launch on or off
+    ``FP8_DECODE_CONFIGS`` over an fp8 cache); per-sm: the stage-1 programs an SM the split
+    heuristic aims for (``DecodeTuning.programs_per_sm``, ``PER_SM_CHOICES``) over the tiles
+    of ``PER_SM_CONFIGS``; pdl: programmatic dependent launch on or off
     (``DecodeTuning.pdl``); layout: the same KV bytes placed differently: [N, BS, Hkv, D]
     pages shuffled or in order, or one KV head per sequence (a head's rows contiguous within a
     page: the layout of a head-major cache) in pages of 16 or 128 tokens or wholly contiguous
@@ -545,6 +552,13 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
                 rec("decode-config", bsz, ctx, cfg,
                     attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv))  # fmt: skip
 
+    if "per-sm" in which:  # the variant "(BLOCK_N, warps, stages) xP"; P is capped by smem
+        for bsz, ctx in pts:
+            for cfg in PER_SM_CONFIGS[kv]:
+                for per_sm in PER_SM_CHOICES:
+                    tuning = DecodeTuning(tiles=cfg, programs_per_sm=per_sm)
+                    rec("per-sm", bsz, ctx, f"{cfg} x{per_sm}",
+                        attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv))  # fmt: skip
     if "pdl" in which:
         for bsz, ctx in pts:
             for name, tuning in (("none", DecodeTuning(pdl=False)), ("pdl", DecodeTuning())):

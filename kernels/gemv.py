@@ -31,8 +31,8 @@ before fp8 existed. At M <= 8, ``diag`` (any weight) gives the dot 8 columns, x'
 8 / M chunks each, instead of x repeated to 16, the weight tile viewed as 8 / M times the rows,
 and keeps the diagonal blocks: half the MMAs; fp8 at M = 1 half the SASS per byte
 (``_dot_steps``; bf16 M = 8 0.42 against 0.90, M = 1 against the elementwise loop's 1.97).
-``gemv_config`` picks it where it measured faster: fp8 at M = 1 on 16-row one-warp tiles, bf16
-at M = 2-8.
+``gemv_config`` picks it where it measured faster: fp8 per channel at M = 1 on 16-row one-warp
+tiles, bf16 at M = 2-8.
 
 Gated MLPs (``GATED``, ``linear_small_m(act=...)``): the weight is the fused ``[gate; up]``
 projection ``[2I, K]`` and the kernel writes ``act(x @ gate.T) * (x @ up.T)`` ``[M, I]``,
@@ -427,30 +427,36 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
 # tiles a shape): on the 16-row one-warp tile it is the fastest tile of every narrow shape,
 # unsplit, from one program per SM: qkv 11.35 (11.68 without diag), o_proj 8.32 (9.58; the
 # split 32-row tile 9.41), down 22.92 (25.54; split 24.34). So 16-row diag tiles from one
-# program per SM, the split 32-row tiles below that.
+# program per SM, the split 32-row tiles below that. Per channel only: block scales (diag
+# not yet timed with them) keep the rule above, without diag.
 # M > 1 (not timed yet): 4 warps over 64 rows (wgmma) below one 128-row tile per SM: x's M
 # rows are in every warp's registers (M = 16 on a one-warp tile spills).
 _FP8_TILE_WIDE = (128, 128, 2, 4)
 _FP8_TILE = (64, 256, 4, 4)
 _FP8_TILE_NARROW = (16, 256, 1, 6)
 _FP8_TILE_SPLIT = (32, 128, 1, 6)
-_FP8_NARROW_PROGRAMS_PER_SM = 1
+_FP8_NARROW_PROGRAMS_PER_SM = 2.5
+_FP8_DIAG_PROGRAMS_PER_SM = 1  # per channel (diag)
 _FP8_SPLIT_PROGRAMS_PER_SM = 3.5
 _FP8_MIN_SPLIT_K = 512  # K elements per split at least (4 tiles)
 
 W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
 
 
-def _fp8_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int, bool]:
+def _fp8_config(
+    m: int, n: int, k: int, num_sms: int, w_scale: int
+) -> tuple[int, int, int, int, int, bool]:
     """``gemv_config`` for a float8 weight [n, k]."""
-    diag = False
+    diag = w_scale == W_SCALE_CHANNEL
+    narrow = _FP8_DIAG_PROGRAMS_PER_SM if diag else _FP8_NARROW_PROGRAMS_PER_SM
     if triton.cdiv(n, _FP8_TILE_WIDE[0]) >= num_sms:
-        tile, split = _FP8_TILE_WIDE, 1
+        tile, split, diag = _FP8_TILE_WIDE, 1, False
     elif m > 1:
-        tile, split = _FP8_TILE, 1
-    elif triton.cdiv(n, _FP8_TILE_NARROW[0]) >= _FP8_NARROW_PROGRAMS_PER_SM * num_sms:
-        tile, split, diag = _FP8_TILE_NARROW, 1, True
+        tile, split, diag = _FP8_TILE, 1, False
+    elif triton.cdiv(n, _FP8_TILE_NARROW[0]) >= narrow * num_sms:
+        tile, split = _FP8_TILE_NARROW, 1
     else:
+        diag = False
         tile = _FP8_TILE_SPLIT
         want = math.ceil(_FP8_SPLIT_PROGRAMS_PER_SM * num_sms / triton.cdiv(n, tile[0]))
         split = max(1, min(want, k // _FP8_MIN_SPLIT_K))
@@ -465,7 +471,7 @@ def gemv_config(
     product; ``w_scale``: the weight is float8 with per-channel (1) or 128x128 block (2)
     scales."""
     if w_scale != W_SCALE_NONE:
-        return _fp8_config(m, n, k, num_sms)
+        return _fp8_config(m, n, k, num_sms, w_scale)
     diag = 1 < m <= _DIAG_MAX_M
     if diag and triton.cdiv(n, _TILE_DIAG[0]) >= _DIAG_PROGRAMS_PER_SM * num_sms:
         tile = _TILE_DIAG

@@ -263,9 +263,11 @@ def test_fp8_gemv_block_scales_read_none_past_the_row(config):
 
 def test_fp8_gemv_heuristic_tiles():
     """fp8 tiles at Llama-3-8B shapes on 132 SMs (the 2026-11-27 sweeps): gate_up 2-warp
-    tiles of 128 rows, qkv, o_proj and down one-warp 16-row diag tiles unsplit (M = 1); M > 1
-    unsplit, no diag; narrower layers 32-row tiles split to fill the SMs. Every tile on tl.dot
-    (BLOCK_N >= 16), sharing its 128x128 blocks' scale rows, K in whole tiles."""
+    tiles of 128 rows, qkv, o_proj and down one-warp 16-row diag tiles unsplit (M = 1, per
+    channel; block scales: 16-row tiles without diag from 2.5 programs an SM, else 32-row ones
+    split); M > 1 unsplit, no diag; narrower layers 32-row tiles split to fill the SMs. Every
+    tile on tl.dot (BLOCK_N >= 16), sharing its 128x128 blocks' scale rows, K in whole
+    tiles."""
     picks = {}
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)]:
         for m in (1, 8, 16):
@@ -276,11 +278,13 @@ def test_fp8_gemv_heuristic_tiles():
                 programs = split * n // block_n  # ~3.5 an SM, or splits of 512 columns
                 assert split == 1 or (m == 1 and (3 * 132 <= programs <= 5 * 132
                                                   or split == k // 512)), cfg  # fmt: skip
-                assert not diag or (m == 1 and block_k >= 128), cfg
+                assert not diag or (m == 1 and block_k >= 128 and w_scale == 1), cfg
                 picks[(m, n, k, w_scale)] = cfg
     assert picks[(1, 28672, 4096, 1)] == (128, 128, 1, 2, 4, False)
     assert picks[(1, 6144, 4096, 1)] == (16, 256, 1, 1, 6, True)
-    assert picks[(1, 4096, 4096, 2)] == (16, 256, 1, 1, 6, True)
+    assert picks[(1, 4096, 4096, 1)] == (16, 256, 1, 1, 6, True)
+    assert picks[(1, 4096, 4096, 2)] == (32, 128, 4, 1, 6, False)
+    assert picks[(1, 6144, 4096, 2)] == (16, 256, 1, 1, 6, False)
     assert picks[(1, 4096, 14336, 1)] == (16, 256, 1, 1, 6, True)
     assert picks[(1, 1024, 4096, 1)] == (32, 128, 8, 1, 6, False)
     assert picks[(8, 4096, 14336, 1)][2] == 1

@@ -34,15 +34,18 @@ def test_decode_grid_times_ours_and_sdpa_in_rounds(tmp_path, capsys):
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_tuning_sweeps_time_every_variant(tmp_path, kv):
     """The decode sweeps build DecodeTuning values (no module state to restore): every config
-    (an fp8 cache's own list) and both PDL settings time at the smoke point."""
+    (an fp8 cache's own list), every programs-per-SM variant and both PDL settings time at the
+    smoke point."""
     from kernels import bench
 
     out = tmp_path / "sweep.json"
-    bench.main(["--sweep", "decode-config,pdl", "--kv-dtype", kv, "--json", str(out)])
+    bench.main(["--sweep", "decode-config,per-sm,pdl", "--kv-dtype", kv, "--json", str(out)])
     res = json.loads(out.read_text())["sweep"]
     got = {(r["sweep"], str(r["variant"])) for r in res}
     configs = bench.FP8_DECODE_CONFIGS if kv == "fp8" else bench.DECODE_CONFIGS
     want = {("decode-config", str(list(c))) for c in configs}
+    want |= {("per-sm", f"{c} x{p}") for c in bench.PER_SM_CONFIGS[kv]
+             for p in bench.PER_SM_CHOICES}  # fmt: skip
     assert got == want | {("pdl", "none"), ("pdl", "pdl")}
     assert all(r["us"] and r["us"] > 0 for r in res), [r for r in res if not r["us"]]
 

@@ -5,7 +5,8 @@
 #   PHASE=e2e: bench decode of dummy:llama3.1-8b at batch 1, 4K / 32K / 128K: bf16, the fp8 KV
 #     cache, fp8 weights + fp8 KV, then bf16 again (each its own process)
 #   PHASE=tiles: the fp8 GEMV's GPU tests and its table at the heuristic's tiles, then e2e
-#   PHASE=splits: the decode kernel's splits over an fp8 cache and a bf16 one at 4K / 16K
+#   PHASE=splits: the decode kernel's splits over an fp8 cache and a bf16 one at 4K / 16K, then
+#     (fp8) its programs per SM at 1x128K, 8x16K, 32x16K (`kernels.bench --sweep per-sm`)
 #   PHASE=accuracy: bench accuracy on the default model (bf16, Triton, CUDA graphs): fp8 KV,
 #     fp8 weights and both against bf16 (fp8.md's CPU table, on the GPU); needs the model's two
 #     halves: run it right after a call that carried .carry/gguf.1 (verify.sh PHASE=kernels),
@@ -41,7 +42,12 @@ elif [ "${PHASE:-}" = splits ]; then  # the decode kernel's split count over an 
   K="python3 -m kernels.bench --sweep splits --points 1x4096,1x16384,8x4096"
   step splits_fp8 200 $K --kv-dtype fp8 --json "$OUT/splits-fp8.json"
   step splits_bf16 150 $K --json "$OUT/splits-bf16.json"
-  for f in splits_fp8 splits_bf16; do echo "== $f"; grep -v '^  {' "$OUT/$f.log" | tail -25; done
+  # programs an SM at the reads of >= 256 MB (the fp8-KV kernel: 83% of copy at 1x128K)
+  P="python3 -m kernels.bench --sweep per-sm --points 1x131072,8x16384,32x16384"
+  step per_sm_fp8 150 $P --kv-dtype fp8 --json "$OUT/per-sm-fp8.json"
+  for f in splits_fp8 splits_bf16 per_sm_fp8; do
+    echo "== $f"; grep -v '^  {' "$OUT/$f.log" | tail -25
+  done
 elif [ "${PHASE:-}" = accuracy ]; then
   A="python3 -m flashserve bench accuracy --max-kv-tokens 65536"  # (a pool of all free memory
   # per engine would be ~70 GB for a 135M model: slow to build, twice a setting)
