@@ -4,8 +4,8 @@ teacher-forced, greedy outputs of 8 prompts; fp8 KV, fp8 weights and both agains
 model with a bf16 cache and bf16 weights. On the CPU (torch backend, bf16) in CI, and on the GPU
 (Triton kernels, CUDA graphs: the fp8 GEMV and the fp8-KV decode and prefill kernels).
 
-The bounds hold the measured values with room (CPU, 6 models, 2026-11-27: agreement 96-98% /
-89-91% / 88-91% for fp8 KV / weights / both, KL means 1.5-2.1e-4 / 1.8-2.1e-3 / 1.9-2.3e-3
+The bounds hold the measured values with room (CPU, 20 models, 2026-11-27: agreement 96-98% /
+88-91% / 88-91% for fp8 KV / weights / both, KL means 1.5-2.6e-4 / 1.8-2.2e-3 / 1.9-2.4e-3
 nats, perplexity within 0.5%; H100, one model: 96% / 86% / 86%, 2.3e-4 / 3.8e-3 / 4.1e-3,
 within 0.5%) and are far from what a wrong scale gives: a scale 1.25x off in the weights,
 23-26% agreement and KL 0.23; in the KV pages, 57% and 0.047. (The perplexity of a random text
