@@ -3,7 +3,8 @@
 # - installs the wheels carried in .whl/ (wheels.sh makes them) into /tmp/site, once a machine;
 # - joins the default model's halves when .carry/gguf.1 and .carry/gguf.2 have both arrived
 #   (wheels.sh splits the file: 98 MB is over what one call may carry);
-# - writes the machine, versions and commit to $OUT/env-<script>.txt;
+# - writes the machine, versions and the tree (TREE, the commit the caller names) to
+#   $OUT/env-<script>.txt;
 # - defines `step NAME CAP CMD...` (CMD under `timeout min(CAP, time left)`, its output in
 #   $OUT/NAME.log, one status line printed) and `pack` (every file under $OUT into all.tgz: at
 #   most 8 files come back). LIMIT (seconds, default 570) is the script's budget.
@@ -27,7 +28,10 @@ LIMIT=${LIMIT:-570}
   nvidia-smi topo -m
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], \
 torch.__version__, triton.__version__, transformers.__version__)"
-  git log --oneline -1; } > "$OUT/env-$(basename "$0" .sh).txt" 2>&1
+  # the tree: the commit the call was made from, as the caller names it (TREE=<commit>); the
+  # machine's copy carries a .git that is not updated between calls, so git log there is stale
+  echo "tree: ${TREE:-not named (TREE=<commit> before the script)}"
+} > "$OUT/env-$(basename "$0" .sh).txt" 2>&1
 
 step() {
   local name=$1 cap=$2; shift 2
