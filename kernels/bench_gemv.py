@@ -294,10 +294,9 @@ def main(argv=None) -> None:
         finish(t0, meta, copy_gbs, rows, args.json)
         return
     args.shapes = args.shapes or ",".join(SHAPES)
-    rows = []
+    rows, ms = [], tuple(int(m) for m in args.ms.split(","))
     for name in args.shapes.split(","):
         n, k = {**SHAPES, **EXTRA_SHAPES}[name]
-        ms = tuple(int(m) for m in args.ms.split(","))
         rows += bench_shape(name, n, k, sms, copy_gbs, args.wide, args.diag, ms)
         torch.cuda.empty_cache() if not SMOKE else None
     print_table(rows, copy_gbs)

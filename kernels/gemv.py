@@ -393,7 +393,7 @@ _WIDE_TILES_PER_SM = 0.7
 _TILE_DIAG = (16, 256, 1, 6)
 _TILE_DIAG_NARROW = (32, 256, 1, 4)
 _DIAG_PROGRAMS_PER_SM = 2.5
-_DIAG_MAX_M = 8  # diag's dot is 8 columns wide
+_DIAG_MAX_M = _DIAG_COLS.value  # diag's dot is 8 columns wide: M rows of 8 / M chunks
 # Split-K costs ~1.5 us (the partials' round trip and the last program's serial sum): no shape
 # above gained from it (o_proj M=1 (16, 512): 13.9 us unsplit, 15.1 at 2 splits; M=16 (32, 256):
 # 14.9 / 16.2 at 3; (64, 256), 64 programs: 15.5 unsplit, 17.8 at 4). Only grids of fewer than
@@ -448,16 +448,16 @@ def _fp8_config(
     m: int, n: int, k: int, num_sms: int, w_scale: int
 ) -> tuple[int, int, int, int, int, bool]:
     """``gemv_config`` for a float8 weight [n, k]."""
-    diag = w_scale == W_SCALE_CHANNEL
-    narrow = _FP8_DIAG_PROGRAMS_PER_SM if diag else _FP8_NARROW_PROGRAMS_PER_SM
+    channel = w_scale == W_SCALE_CHANNEL  # diag is timed with per-channel scales only
+    narrow = _FP8_DIAG_PROGRAMS_PER_SM if channel else _FP8_NARROW_PROGRAMS_PER_SM
+    diag = False
     if triton.cdiv(n, _FP8_TILE_WIDE[0]) >= num_sms:
-        tile, split, diag = _FP8_TILE_WIDE, 1, False
+        tile, split = _FP8_TILE_WIDE, 1
     elif m > 1:
-        tile, split, diag = _FP8_TILE, 1, False
+        tile, split = _FP8_TILE, 1
     elif triton.cdiv(n, _FP8_TILE_NARROW[0]) >= narrow * num_sms:
-        tile, split = _FP8_TILE_NARROW, 1
+        tile, split, diag = _FP8_TILE_NARROW, 1, channel
     else:
-        diag = False
         tile = _FP8_TILE_SPLIT
         want = math.ceil(_FP8_SPLIT_PROGRAMS_PER_SM * num_sms / triton.cdiv(n, tile[0]))
         split = max(1, min(want, k // _FP8_MIN_SPLIT_K))
@@ -615,8 +615,9 @@ def linear_small_m(
     fp8 = w_scale != W_SCALE_NONE
     use_dot = m > 1 or fp8 or diag
     _check_config(block_n, block_k, split_k, use_dot, w_scale)
-    if diag and not (m <= 8 and block_k >= 128):
-        raise ValueError(f"diag takes M <= 8 and BLOCK_K >= 128; got M = {m}, BLOCK_K {block_k}")
+    if diag and not (m <= _DIAG_MAX_M and block_k >= 128):
+        raise ValueError(f"diag takes M <= {_DIAG_MAX_M} and BLOCK_K >= 128; got M = {m}, "
+                         f"BLOCK_K {block_k}")  # fmt: skip
     if gated and block_n < 2:
         raise ValueError(f"config: BLOCK_N {block_n} must be >= 2 with act (gate and up rows)")
     if gated and w_scale == W_SCALE_BLOCK and n_out % (block_n // 2):
