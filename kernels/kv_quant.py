@@ -58,6 +58,42 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_KV_DTYPE
 
 
+# Pools whose pages hold a KV head's rows together: storage ``[N, Hkv, PAGE, D]`` seen as the
+# ``[N, PAGE, Hkv, D]`` every kernel and the reference take (``new_kv_pool``), read through its
+# strides. Only for fp8 pages of at least this many tokens. H100, the fp8 decode kernel
+# ((128, 4, 3) tiles, graph replay, `kernels.bench --sweep layout,page --kv-dtype fp8`, µs at
+# 1x128K / 8x16K / 32x16K, docs/benchmarks/fp8.md, 2026-11-27): heads together in 128-token
+# pages 98.9 / 100.3 / 370.5 (91 / 90 / 97% of the copy bandwidth); token rows in 16-token
+# pages (the engine's fp8 default) 106.9 / 108.3 / 400.9, in 64-token pages 103.2 / 103.0 /
+# 388.9; heads together in 16-token pages 109.6 / 109.4 / 405.6 (2 KB runs: worse). A token's
+# e4m3 row of one head is 128 bytes at head dim 128, a bf16 one 256, where the same sweep over
+# bf16 moved 0.5-1.2% (docs/benchmarks/kernels.md), so bf16 and fp16 pools keep token rows.
+HEAD_MAJOR_MIN_PAGE = 64
+
+
+def head_major_pages(dtype: torch.dtype, page: int) -> bool:
+    """Whether the engine's pools of ``dtype`` and ``page``-token pages hold a KV head's rows
+    together (``HEAD_MAJOR_MIN_PAGE``)."""
+    return dtype == FP8_KV_DTYPE and page >= HEAD_MAJOR_MIN_PAGE
+
+
+def new_kv_pool(num_blocks: int, page: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device | str, head_major: bool = False,
+                zeros: bool = False) -> torch.Tensor:  # fmt: skip
+    """A K or V pool ``[N, PAGE, Hkv, D]``: token rows (contiguous), or with ``head_major`` the
+    transposed view of ``[N, Hkv, PAGE, D]`` storage; ``zeros``: zero-filled, else empty."""
+    alloc = torch.zeros if zeros else torch.empty
+    if not head_major:
+        return alloc(num_blocks, page, num_kv_heads, head_dim, dtype=dtype, device=device)
+    pool = alloc(num_blocks, num_kv_heads, page, head_dim, dtype=dtype, device=device)
+    return pool.transpose(1, 2)
+
+
+def is_head_major(pool: torch.Tensor) -> bool:
+    """Whether a pool ``[N, PAGE, Hkv, D]`` holds a head's rows of a page together."""
+    return pool.shape[1] > 1 and pool.stride(2) > pool.stride(1)
+
+
 def kv_scale_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, int, int]:
     """The shape of a scale pool for pages ``[num_blocks, block_size, num_kv_heads, D]``: a
     head's scales of one page contiguous."""

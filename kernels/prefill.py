@@ -32,9 +32,12 @@ the score columns and the V scales (times ``V_SCALE_SHIFT``) the columns of P.
 The Hopper path (sm_90, issue 17; ``path="hopper"``, or ``"auto"`` on an sm_90 GPU with pages
 of >= 64 tokens) is the same kernel with two constexprs set. ``TMA``: K and V tiles arrive by
 bulk tensor copies (``cp.async.bulk.tensor``) through host-built descriptors over the pools
-viewed as ``[N * PAGE, Hkv * D]``; a tile is one page's run of ``BLOCK_N`` rows (``PAGE >=
-BLOCK_N``), at row ``block_table[page] * PAGE + offset`` and column ``kv_head * D``, so no
-per-token address math or per-thread copies are left in the loop. The copies cannot be masked:
+viewed as rows of a token's stride (``pool_view``): ``[N * PAGE, Hkv * D]`` for token rows, a
+tile at row ``block_table[page] * PAGE + offset`` and column ``kv_head * D``; ``[N * Hkv *
+PAGE, D]`` for pools that keep a head's rows of a page together (``kv_quant.new_kv_pool``), at
+row ``block_table[page] * Hkv * PAGE + kv_head * PAGE + offset`` and column 0. A tile is one
+page's run of ``BLOCK_N`` rows (``PAGE >= BLOCK_N``), so no per-token address math or
+per-thread copies are left in the loop. The copies cannot be masked:
 a tile on the diagonal (or a window's left edge) may bring slots past the sequence's end (or
 left of the window: anything, NaN included), so in those tiles the scores are masked as always
 and the dead V rows zeroed before P @ V. ``PERSISTENT``: one
@@ -47,11 +50,11 @@ Triton 3.6 does not warp-specialize this loop on sm_90 (``tl.range(warp_speciali
 is ignored with 8 warps and fails to compile with 4), so the overlap of copies and math comes
 from software pipelining (``num_stages``). Head dims other than 64, 128, 256 stay on the
 portable path. Over an fp8 cache (``FP8`` and ``TMA``) the copies bring e4m3 tiles (a
-descriptor over the e4m3 pool, the same view: a page's rows are ``Hkv * D`` bytes, 16-byte
-aligned) and the tile's scales load beside them, one contiguous vector of ``BLOCK_N`` per pool
-(a head's scales of a page are contiguous: ``[N, Hkv, PAGE]``), pipelined with the copies;
-conversion and scaling are the portable FP8 code's, and in the masked tiles the dead slots'
-scales are zeroed with their V rows (either may be NaN).
+descriptor over the e4m3 pool, the same view: its rows are ``Hkv * D`` or ``D`` bytes,
+16-byte aligned) and the tile's scales load beside them, one contiguous vector of
+``BLOCK_N`` per pool (a head's scales of a page are contiguous: ``[N, Hkv, PAGE]``),
+pipelined with the copies; conversion and scaling are the portable FP8 code's, and in the
+masked tiles the dead slots' scales are zeroed with their V rows (either may be NaN).
 
 ``path="gluon"`` (and ``"auto"`` where it can run: ``_auto_gluon``) runs a separate kernel
 written in Gluon, FlashAttention-3 style (``kernels.prefill_gluon``): a producer warp, two
@@ -75,7 +78,7 @@ from kernels.common import (
     softcap_factors,
     softcap_log2,
 )
-from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales
+from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales, is_head_major
 from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, PATHS, gluon_triton_refusal
 
 if TYPE_CHECKING:
@@ -91,11 +94,12 @@ _V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals
 
 
 @triton.jit
-def _tile_row(bt, start, hi, PAGE: tl.constexpr):
-    """TMA: the row of the ``[N * PAGE, Hkv * D]`` pool view where the KV tile at ``start``
-    begins (0 from ``hi`` on: no block-table entry past the loop is read); its page is
-    ``row // PAGE``."""
-    return tl.load(bt + start // PAGE, mask=start < hi, other=0) * PAGE + start % PAGE
+def _tile_row(bt, start, hi, page_rows, head_row, PAGE: tl.constexpr):
+    """TMA: the row of the pool view (``pool_view``: ``page_rows`` rows a page, the KV head's
+    first at ``head_row`` in each) where the KV tile at ``start`` begins (page 0 from ``hi``
+    on: no block-table entry past the loop is read)."""
+    entry = tl.load(bt + start // PAGE, mask=start < hi, other=0)
+    return entry * page_rows + head_row + start % PAGE
 
 
 @triton.jit
@@ -109,7 +113,8 @@ def _prefill_inner(
     KS,  # FP8: the K and V scale pools [N, Hkv, PAGE]
     VS,
     bt,  # this sequence's block-table row
-    head_off,  # kv_head * stride_kh, or (TMA) the head's first column kv_head * D
+    head_off,  # kv_head * stride_kh, or (TMA) the head's first column in the pool view
+    head_row,  # TMA: the head's first row in a page of the pool view
     s_head,  # FP8: kv_head * PAGE, the head's offset in a page of scales
     lo,
     hi,  # KV positions [lo, hi), lo a multiple of BLOCK_N
@@ -128,6 +133,7 @@ def _prefill_inner(
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,  # TMA over pools of a head's rows (pool_view)
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -142,8 +148,12 @@ def _prefill_inner(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    if TMA:
-        next_row = _tile_row(bt, lo, hi, PAGE)
+    if TMA:  # the pool view's rows a page (pool_view)
+        if HEAD_MAJOR:
+            page_rows = stride_kb // stride_kt  # Hkv * PAGE
+        else:
+            page_rows = PAGE
+        next_row = _tile_row(bt, lo, hi, page_rows, head_row, PAGE)
     for start in range(lo, hi, BLOCK_N):
         kv = start + offs_n  # [BN]
         live = kv < seq_len
@@ -155,10 +165,10 @@ def _prefill_inner(
             # 3.6's pipeliner keeps one copy in flight (2 buffers at any num_stages); from the
             # previous iteration's load, num_stages - 1 (sm90_compile).
             row = next_row
-            next_row = _tile_row(bt, start + BLOCK_N, hi, PAGE)
+            next_row = _tile_row(bt, start + BLOCK_N, hi, page_rows, head_row, PAGE)
             k = K.load([row, head_off])  # [BN, BD]
             v = V.load([row, head_off])
-            if FP8:
+            if FP8 and not HEAD_MAJOR:
                 page = row // PAGE
         elif PAGE >= BLOCK_N:  # the whole tile lies in one page (one holding a key >= win_lo)
             page = tl.load(bt + start // PAGE).to(tl.int64)
@@ -189,7 +199,10 @@ def _prefill_inner(
                 v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
         if FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
             # TMA: copied ahead with the tiles (cp.async; no synchronous load in the loop)
-            srow = page * stride_sb + s_head + kv % PAGE  # [BN]
+            if TMA and HEAD_MAJOR:  # the scale pools [N, Hkv, PAGE] have the view's rows
+                srow = row + offs_n
+            else:
+                srow = page * stride_sb + s_head + kv % PAGE  # [BN]
             if PAGE < BLOCK_N:
                 srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
             else:
@@ -257,6 +270,7 @@ def _prefill_tile(
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,  # TMA over pools of a head's rows (pool_view)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -286,9 +300,14 @@ def _prefill_tile(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt = BlockTables + b.to(tl.int64) * stride_btb
-        if TMA:
-            head_off = (h // GROUP) * HEAD_DIM  # the head's first column of the 2D view
+        if TMA and HEAD_MAJOR:  # the head's first row in a page, column 0 (pool_view)
+            head_row = (h // GROUP) * PAGE
+            head_off = 0
+        elif TMA:  # row 0 of a page, the head's first column
+            head_row = 0
+            head_off = (h // GROUP) * HEAD_DIM
         else:
+            head_row = 0
             head_off = (h // GROUP).to(tl.int64) * stride_kh
         s_head = (h // GROUP) * PAGE
         # keys before the tile's first query are visible to all its queries (causally)
@@ -300,28 +319,31 @@ def _prefill_tile(
             all_lo = tl.maximum(ctx + m0 + BLOCK_M - window, 0)
             mid = tl.minimum(tl.cdiv(all_lo, BLOCK_N) * BLOCK_N, full_end)
             acc, l_i, m_i = _prefill_inner(
-                acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, s_head,
+                acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, head_row, s_head,
                 win_lo // BLOCK_N * BLOCK_N, mid, q_pos, seq_len, win_lo, window, qk_scale,
                 cap_in, cap_out, stride_kb, stride_kt, stride_sb, MASKED=True, WINDOWED=True,
-                SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
+                SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA,
+                HEAD_MAJOR=HEAD_MAJOR, PAGE=PAGE, HEAD_DIM=HEAD_DIM,
                 BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         else:
             win_lo = 0
             mid = 0
         acc, l_i, m_i = _prefill_inner(
-            acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, s_head, mid, full_end, q_pos,
-            seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
+            acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, head_row, s_head, mid, full_end,
+            q_pos, seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
             stride_sb, MASKED=False, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA,
+            HEAD_MAJOR=HEAD_MAJOR,
             PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         # the diagonal: up to the tile's last query
         diag_end = tl.minimum(ctx + m0 + BLOCK_M, seq_len)
         acc, l_i, m_i = _prefill_inner(
-            acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, s_head, full_end, diag_end, q_pos,
-            seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
+            acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, head_row, s_head, full_end, diag_end,
+            q_pos, seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
             stride_sb, MASKED=True, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA,
+            HEAD_MAJOR=HEAD_MAJOR,
             PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
@@ -377,6 +399,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,  # TMA over pools of a head's rows (pool_view)
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -400,6 +423,7 @@ def _prefill_kernel(
                     stride_kt, stride_kh, stride_sb, stride_btb, stride_ot, stride_oh,
                     stride_lt, stride_lh, GROUP=GROUP, HEAD_DIM=HEAD_DIM, PAGE=PAGE,
                     STORE_LSE=STORE_LSE, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA,
+                    HEAD_MAJOR=HEAD_MAJOR,
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
                     DOT_PRECISION=DOT_PRECISION,
                 )  # fmt: skip
@@ -410,7 +434,8 @@ def _prefill_kernel(
             qk_scale, cap_in, cap_out, window, stride_qt, stride_qh, stride_kb, stride_kt,
             stride_kh, stride_sb, stride_btb, stride_ot, stride_oh, stride_lt, stride_lh,
             GROUP=GROUP, HEAD_DIM=HEAD_DIM, PAGE=PAGE, STORE_LSE=STORE_LSE, WINDOWED=WINDOWED,
-            SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA,
+            HEAD_MAJOR=HEAD_MAJOR, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
 
@@ -470,7 +495,11 @@ def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return f"page {page} < BLOCK_N {block_n}: a KV tile must lie in one page"
     if block_n < 16:
         return f"BLOCK_N {block_n}: P @ V needs at least 16 keys a tile"
-    if k_cache.stride(2) != d or k_cache.stride(0) != page * k_cache.stride(1):
+    if is_head_major(k_cache):
+        hkv = k_cache.shape[2]
+        if k_cache.stride()[:3] != (hkv * page * d, d, page * d):
+            return "pools of a head's rows must be dense [N, Hkv, PAGE, D] storage"
+    elif k_cache.stride(2) != d or k_cache.stride(0) != page * k_cache.stride(1):
         return "the pools must be rows of [N * PAGE, Hkv * D] (pages of whole token rows)"
     if (k_cache.stride(1) * k_cache.element_size()) % 16 or any(
         x.data_ptr() % 16 for x in (k_cache, v_cache)
@@ -480,15 +509,19 @@ def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def pool_view(pool: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(shape, strides) of a pool ``[N, PAGE, Hkv, D]`` seen as ``[N * PAGE, Hkv * D]``: a
-    token's row of heads per row (``hopper_refusal`` checks that the pool allows it). The
-    Hopper path's and the Gluon kernel's descriptors both take this view."""
+    """(shape, strides) of a pool ``[N, PAGE, Hkv, D]`` as rows a token's stride long
+    (``hopper_refusal`` checks that the pool allows it): ``[N * PAGE, Hkv * D]``, a token's
+    row of heads per row, or for pools that keep a head's rows of a page together
+    (``kv_quant.is_head_major``) ``[N * Hkv * PAGE, D]``. The Hopper path's and the Gluon
+    kernel's descriptors both take this view (Gluon: token rows only, ``gluon_refusal``)."""
     n, page, hkv, d = pool.shape
+    if is_head_major(pool):
+        return [n * hkv * page, d], [d, 1]
     return [n * page, hkv * d], [pool.stride(1), 1]
 
 
 def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> list:
-    """The pools as ``[N * PAGE, Hkv * D]`` for bulk copies of ``[block_n, D]`` tiles."""
+    """The pools as ``pool_view`` for bulk copies of ``[block_n, D]`` tiles."""
     d = k_cache.shape[3]
     return [TensorDescriptor(x, *pool_view(x), [block_n, d]) for x in (k_cache, v_cache)]
 
@@ -658,7 +691,8 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, STORE_LSE=return_lse,
-        WINDOWED=window > 0, SOFTCAP=softcap > 0, FP8=fp8, TMA=hopper, PERSISTENT=per_sm > 0,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0, FP8=fp8, TMA=hopper,
+        HEAD_MAJOR=hopper and is_head_major(k_cache), PERSISTENT=per_sm > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,

@@ -44,6 +44,7 @@ import torch
 import triton
 
 from kernels.common import num_sms
+from kernels.kv_quant import is_head_major
 from kernels.prefill_paths import gluon_triton_refusal
 
 try:  # Gluon as in Triton 3.6 (the GPU machine's version)
@@ -133,6 +134,8 @@ def gluon_refusal(q: torch.Tensor, k_cache: torch.Tensor, window: int, softcap: 
         return "sliding windows and soft-capping take the portable or Hopper path"
     if fp8:
         return "fp8 caches take the portable or Hopper path"
+    if is_head_major(k_cache):  # its producer addresses token rows ([N * PAGE, Hkv * D])
+        return "pools of a head's rows take the portable or Hopper path"
     if q.dtype not in GLUON_DTYPES:
         return f"{q.dtype}: the Gluon kernel takes bf16 and fp16"
     if d not in GLUON_HEAD_DIMS:

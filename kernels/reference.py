@@ -188,16 +188,16 @@ def write_kv(
     (token, KV head) (``kv_quant.quantize_fp8``) and their scales at the same slot."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    if not check_kv_scales(k_cache, k_scale, v_scale):
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
-        return
     bs = k_cache.shape[1]
-    blocks, offsets = slots // bs, slots % bs
+    blocks, offsets = slots // bs, slots % bs  # (by page and row: pools of either layout)
+    if not check_kv_scales(k_cache, k_scale, v_scale):
+        k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+        v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+        return
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         q, scale = quantize_fp8(x[keep])  # [T', Hkv, D], [T', Hkv]
         # as bytes: index_put has no float8 kernel on some devices and torch versions
-        cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = q.view(torch.uint8)
+        cache.view(torch.uint8)[blocks, offsets] = q.view(torch.uint8)
         scales[blocks, :, offsets] = scale
 
 

@@ -96,7 +96,8 @@ def prefill_kernel(fp8: bool, dt: str = "bf16", d: int = 128, cfg=(128, 128, 8, 
     ptrs = {"Q": f"*{dt}", **_caches(fp8, dt), "CuSeqlensQ": "*i32", "SeqLens": "*i32",
             "BlockTables": "*i32", "Out": f"*{dt}", "Lse": "*fp32", **(_types or {})}  # fmt: skip
     consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, STORE_LSE=True, WINDOWED=False, SOFTCAP=False,
-                  FP8=fp8, TMA=False, PERSISTENT=False, BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_D=d,
+                  FP8=fp8, TMA=False, HEAD_MAJOR=False, PERSISTENT=False, BLOCK_M=cfg[0],
+                  BLOCK_N=cfg[1], BLOCK_D=d,
                   DOT_PRECISION="ieee" if dt == "fp32" else "tf32")  # fmt: skip
     consts.update(flags)
     return _compile(prefill._prefill_kernel, ptrs, consts, num_warps=cfg[2], num_stages=cfg[3])
@@ -422,6 +423,11 @@ VARIANTS = {
        for d in (64, 128, 256) for p in (64, 128)},
     "prefill-hopper-fp8-d256-page64-window-softcap": lambda: hopper_prefill_kernel(
         256, 64, fp8=True, WINDOWED=True, SOFTCAP=True),
+    # over pools that keep a head's rows of a page together (the engine's fp8 pools of >= 64
+    # tokens a page: kv_quant.head_major_pages)
+    **{f"prefill-hopper-fp8-d{d}-page{p}-heads": functools.partial(
+        hopper_prefill_kernel, d, p, fp8=True, HEAD_MAJOR=True)
+       for d in (64, 128) for p in (64, 128)},
     "rope-fp8": lambda: rope_kernel(True),
     "rope-fp8-head-a-program": lambda: rope_kernel(True, heads=(1, 1)),
     "rope-bf16-head-a-program": lambda: rope_kernel(False, heads=(1, 1)),

@@ -22,6 +22,7 @@ from tensor_checks import assert_close, cu_of, rel_err  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.decode import DecodeTuning, decode_attention  # noqa: E402
+from kernels.kv_quant import new_kv_pool  # noqa: E402
 from kernels.prefill import prefill_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -497,6 +498,51 @@ def test_prefill_hopper_refuses_what_it_cannot_run(d, page, kw, message):
     q = torch.randn(50, 2, d, device=DEVICE).half()
     with pytest.raises(ValueError, match=message):
         run_prefill(q, kv, cu_of([50]), 0.125, **{"path": "hopper", **kw})
+
+
+def head_major_copy(kv: Paged) -> Paged:
+    """``kv`` in pools that keep a head's rows of a page together (``kv_quant.new_kv_pool``),
+    the same values; the engine stores fp8 pages so (tests/test_kv_fp8.py)."""
+    other = Paged.__new__(Paged)
+    other.__dict__.update(kv.__dict__)
+    other.k, other.v = (new_kv_pool(*x.shape, x.dtype, x.device, head_major=True)
+                        for x in (kv.k, kv.v))  # fmt: skip
+    other.k.copy_(kv.k)
+    other.v.copy_(kv.v)
+    return other
+
+
+@pytest.mark.parametrize("path", ["decode", "portable", "hopper"])
+def test_head_major_pools_give_the_same_results(path):
+    """fp16 pools of a head's rows: decode and both prefill paths (the Hopper path's bulk
+    copies over the other pool view) give, bit for bit, what token rows of the same values
+    give, and the reference's."""
+    qlens, ctx = [40, 1, 90], [100, 127, 0]
+    kv = nan_past_the_end(Paged([a + b for a, b in zip(qlens, ctx)], 2, 64, 64, torch.float16))
+    if path == "decode":
+        q = torch.randn(len(qlens), 8, 64, device=DEVICE).half()
+        got = [run_decode(q, x, 0.125, num_splits=3) for x in (kv, head_major_copy(kv))]
+        want = decode_ref(q, kv, 0.125)
+    else:
+        q = torch.randn(sum(qlens), 8, 64, device=DEVICE).half()
+        cfg = (32, 32, 4, 1, 1) if path == "hopper" else None
+        got = [run_prefill(q, x, cu_of(qlens), 0.125, path=path, config=cfg)
+               for x in (kv, head_major_copy(kv))]  # fmt: skip
+        want = prefill_ref(q, kv, cu_of(qlens), 0.125)
+    (out, lse), (out_hm, lse_hm) = got
+    assert torch.equal(out_hm, out) and torch.equal(lse_hm, lse), f"{path}: layouts differ"
+    assert_close(out_hm, want[0], TOL[torch.float16], f"{path} head-major out")
+    assert_close(lse_hm, want[1], LSE_TOL[torch.float16], f"{path} head-major lse")
+
+
+def test_prefill_hopper_refuses_head_major_pools_it_cannot_view():
+    """A head's rows with room between pages: no dense view for the bulk copies."""
+    kv = Paged([50], 2, 64, 64, torch.float16)
+    wide = torch.zeros(kv.k.shape[0], 3, 64, 64, device=DEVICE).half()
+    kv.k, kv.v = wide[:, :2].transpose(1, 2), wide[:, 1:].transpose(1, 2)
+    q = torch.randn(50, 4, 64, device=DEVICE).half()
+    with pytest.raises(ValueError, match="dense"):
+        run_prefill(q, kv, cu_of([50]), 0.125, path="hopper")
 
 
 def test_prefill_hopper_takes_fp8_and_auto_takes_it_on_sm90_only():

@@ -32,7 +32,10 @@ from kernels.kv_quant import (  # noqa: E402
     FP8_MAX,
     KV_SCALE_DTYPE,
     dequantize_fp8,
+    head_major_pages,
+    is_head_major,
     kv_scale_shape,
+    new_kv_pool,
     quantize_fp8,
 )
 from kernels.prefill import prefill_attention  # noqa: E402
@@ -388,6 +391,114 @@ def test_prefill_hopper_fp8_chunks_equal_the_whole_prompt():
                               config=cfg))  # fmt: skip
     assert_close(torch.cat([o for o, _ in parts]), whole, 2e-3, "fp8 hopper chunks out")
     assert_close(torch.cat([x for _, x in parts]), whole_lse, 1e-4, "fp8 hopper chunks lse")
+
+
+# ---------------------------------------------------------------- pools of a head's rows
+# The engine stores fp8 pools of 64-token pages and more as [N, Hkv, PAGE, D] and hands every
+# kernel that storage's [N, PAGE, Hkv, D] view (kv_quant.new_kv_pool): the same values at
+# other addresses must give the same results, bit for bit.
+
+
+def _head_major(kv: Fp8Paged) -> Fp8Paged:
+    """``kv`` with its K/V pools stored a head's rows of a page together; values unchanged."""
+    hm = Fp8Paged.__new__(Fp8Paged)
+    hm.__dict__.update(kv.__dict__)
+    for name in ("k", "v"):
+        src = getattr(kv, name)
+        pool = new_kv_pool(*src.shape, src.dtype, src.device, head_major=True)
+        pool.view(torch.uint8).copy_(src.view(torch.uint8))
+        setattr(hm, name, pool)
+    return hm
+
+
+def test_new_kv_pool_layouts_and_the_rule():
+    tm = new_kv_pool(3, 16, 2, 8, FP8_KV_DTYPE, DEVICE)
+    hm = new_kv_pool(3, 16, 2, 8, FP8_KV_DTYPE, DEVICE, head_major=True, zeros=True)
+    assert tm.shape == hm.shape == (3, 16, 2, 8) and tm.dtype == hm.dtype == FP8_KV_DTYPE
+    assert tm.is_contiguous() and not is_head_major(tm)
+    assert hm.stride() == (2 * 16 * 8, 8, 16 * 8, 1) and is_head_major(hm)
+    assert not hm.float().any(), "zeros=True must zero the pool"
+    assert head_major_pages(FP8_KV_DTYPE, 64) and head_major_pages(FP8_KV_DTYPE, 128)
+    assert not head_major_pages(FP8_KV_DTYPE, 16) and not head_major_pages(FP8_KV_DTYPE, 32)
+    assert not head_major_pages(torch.bfloat16, 128) and not head_major_pages(torch.float16, 64)
+
+
+HEAD_MAJOR_CASES = [  # (kind, dtype, hq, hkv, d, query lens, cached context, page, options)
+    ("decode", torch.float16, 8, 2, 128, [1000, 1, 63], None, 64, {"num_splits": 7}),
+    ("decode", torch.bfloat16, 8, 2, 128, [700, 129], None, 128, {}),
+    ("decode", torch.float16, 4, 2, 64, [1, 500, 90], None, 64, {"window": 128, "softcap": 5.0}),
+    ("decode", torch.float16, 8, 2, 64, [1000, 255, 17], None, 64,
+     {"tuning": DecodeTuning(tiles=(128, 4, 3))}),
+    ("portable", torch.float16, 4, 2, 64, [40, 3, 17], [100, 0, 64], 64, {}),
+    ("hopper", torch.float16, 8, 2, 128, [40, 1, 64], [100, 127, 64], 128,
+     {"config": (32, 64, 4, 1, 0)}),
+    ("hopper", torch.float16, 4, 2, 64, [50, 1, 20], [70, 31, 200], 64,
+     {"config": (32, 32, 4, 1, 2), "softcap": 5.0, "window": 40}),
+    ("hopper", torch.float32, 4, 1, 64, [33, 2], [64, 200], 64, {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,dtype,hq,hkv,d,qlens,ctx,page,kw", HEAD_MAJOR_CASES)
+def test_head_major_pools_give_the_token_rows_results(kind, dtype, hq, hkv, d, qlens, ctx,
+                                                      page, kw):  # fmt: skip
+    """Decode (split, windows, soft-caps, 128-token tiles) and prefill (portable, and the
+    Hopper path's bulk copies, whose view of the pools changes with the layout: rows of one
+    head, NaN in every dead slot) over pools of a head's rows: the results of the same values
+    in token rows, bit for bit, and the reference's."""
+    lens = qlens if ctx is None else [a + b for a, b in zip(qlens, ctx)]
+    kv = Fp8Paged(lens, hkv, d, page)
+    ref_kw = {k: v for k, v in kw.items() if k in ("window", "softcap")}
+    if kind == "decode":
+        q = torch.randn(len(lens), hq, d, device=DEVICE).to(dtype)
+        got = [_decode(q, x, d**-0.5, **kw) for x in (kv, _head_major(kv))]
+        want = _decode_ref(q, kv, d**-0.5, **ref_kw)
+    else:
+        starts = [max(0, c - kw["window"] + 1) if "window" in kw else 0 for c in ctx]
+        bad = _poisoned(kv, starts) if kind == "hopper" else kv
+        q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
+        cu = cu_of(qlens)
+        got = [_prefill(q, x, cu, d**-0.5, path=kind, **kw) for x in (bad, _head_major(bad))]
+        want = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                           kv.block_tables, d**-0.5, return_lse=True,
+                                           **ref_kw)  # fmt: skip
+    (out_tm, lse_tm), (out_hm, lse_hm) = got
+    assert torch.equal(out_hm, out_tm), f"{kind} {kw}: output differs between the layouts"
+    assert torch.equal(lse_hm, lse_tm), f"{kind} {kw}: LSE differs between the layouts"
+    assert_close(out_hm, want[0], TOL[dtype], f"{kind} head-major out {kw}")
+    assert_close(lse_hm, want[1], LSE_TOL[dtype], f"{kind} head-major lse {kw}")
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_writes_into_head_major_pools_land_at_the_token_rows_places(fp8):
+    """``rope_write_kv`` and the reference's ``write_kv`` into pools of a head's rows: each
+    value where the same write into token rows puts it (the pools compared as [N, PAGE, Hkv,
+    D]), untouched slots untouched (NaN), scales alike."""
+    t, n, bs, hq, hkv, d = 11, 4, 64, 4, 2, 64
+    dtype = FP8_KV_DTYPE if fp8 else torch.float16
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE) * 3).to(torch.float16)
+    pos = torch.randint(0, 200, (t,), device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE) / d))
+    ang = torch.arange(256, device=DEVICE)[:, None] * inv[None]
+    cos, sin = ang.cos().half(), ang.sin().half()
+    slots = torch.randperm(n * bs, device=DEVICE)[:t]
+    slots[3] = -1
+
+    def pools(head_major):
+        k, v = (new_kv_pool(n, bs, hkv, d, dtype, DEVICE, head_major) for _ in range(2))
+        for x in (k, v):
+            x.view(torch.uint8).fill_(0x7F)  # NaN in e4m3 and (twice) in fp16
+        scale = torch.full(kv_scale_shape(n, bs, hkv), float("nan"), device=DEVICE)
+        return [k, v] + ([scale.to(KV_SCALE_DTYPE), scale.to(KV_SCALE_DTYPE)] if fp8 else [])
+
+    for write in (rope_write_kv, reference.rope_write_kv):
+        tm, hm = pools(False), pools(True)
+        for p in (tm, hm):
+            scales = dict(zip(("k_scale", "v_scale"), p[2:]))
+            write(qkv, pos, cos, sin, p[0], p[1], slots, hq, hkv, **scales)
+        assert is_head_major(hm[0]) and is_head_major(hm[1])
+        for name, a, b in zip(("k", "v", "k_scale", "v_scale"), tm, hm):
+            same = torch.equal(_bytes(a.contiguous()), _bytes(b.contiguous()))
+            assert same, f"{write.__module__}: {name} differs between the layouts"
 
 
 def test_head_dim_256_fp8_decode_and_prefill():

@@ -79,6 +79,7 @@ def test_decode_smem_model_matches_the_compiled_kernels(compiled):
 
 
 HOPPER_FP8 = [f"prefill-hopper-fp8-d{d}-page{p}" for d in (64, 128, 256) for p in (64, 128)]
+HOPPER_FP8 += [f"prefill-hopper-fp8-d{d}-page{p}-heads" for d in (64, 128) for p in (64, 128)]
 
 
 def test_fp8_hopper_prefill_copies_the_tiles_by_tma_and_the_scales_beside(compiled):
@@ -96,6 +97,12 @@ def test_fp8_hopper_prefill_copies_the_tiles_by_tma_and_the_scales_beside(compil
 def test_fp8_hopper_prefill_64_key_tiles_do_not_spill(compiled):
     """64-key tiles up to head dim 128 keep to the register file (Triton 3.6 and 3.9); at
     d128 with 128 keys and at d256 every config fills it (hopper_config)."""
-    for name in ("prefill-hopper-fp8-d64-page64", "prefill-hopper-fp8-d64-page128",
-                 "prefill-hopper-fp8-d128-page64"):  # fmt: skip
+    for name in (
+        "prefill-hopper-fp8-d64-page64",
+        "prefill-hopper-fp8-d64-page128",
+        "prefill-hopper-fp8-d128-page64",
+        "prefill-hopper-fp8-d64-page64-heads",
+        "prefill-hopper-fp8-d64-page128-heads",
+        "prefill-hopper-fp8-d128-page64-heads",
+    ):
         assert compiled[name]["stack_bytes"] == 0, (name, compiled[name])

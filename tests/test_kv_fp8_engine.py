@@ -18,7 +18,7 @@ from flashserve.config import EngineConfig
 from flashserve.engine.async_llm import AsyncLLM
 from flashserve.engine.llm_engine import LLM
 from flashserve.sampling.params import SamplingParams
-from kernels.kv_quant import FP8_KV_DTYPE, KV_SCALE_DTYPE
+from kernels.kv_quant import FP8_KV_DTYPE, KV_SCALE_DTYPE, is_head_major
 from server.app import build_app
 from server.cli import main
 
@@ -105,6 +105,26 @@ def test_fp8_pool_holds_about_twice_the_tokens_of_bf16():
         d = llm.engine.model_config.head_dim
     block = llm.engine.config.block_size
     assert abs(tokens["fp8"] - tokens["auto"] * 2 * d / (d + 2)) <= 2 * block, tokens
+
+
+def test_fp8_pools_of_64_token_pages_keep_a_heads_rows_together_and_decode_alike():
+    """fp8 pools of 64-token pages and more are stored a head's rows of a page together
+    (``kv_quant.head_major_pages``), 16-token ones and bf16 ones in token rows; the tokens and
+    log-probabilities are the same either way (the torch backend computes on the gathered
+    values, whichever the page size)."""
+    prompts = [[random.randrange(3, 500) for _ in range(n)] for n in (1, 70, 130)]
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+    out = {}
+    for kv, block in (("fp8", 16), ("fp8", 64), ("fp8", 128), ("auto", 64)):
+        llm = LLM(EngineConfig(**TINY, kv_cache_dtype=kv, block_size=block, max_kv_tokens=2048,
+                               max_num_seqs=4))  # fmt: skip
+        layouts = {is_head_major(t) for layer in llm.engine.runner.kv_caches for t in layer[:2]}
+        assert layouts == {kv == "fp8" and block >= 64}, (kv, block)
+        out[kv, block] = [(c.token_ids, c.logprobs) for c in llm.generate(prompts, params)]
+    for block in (64, 128):
+        for (tok, lp), (tok16, lp16) in zip(out["fp8", block], out["fp8", 16]):
+            assert tok == tok16
+            assert lp == pytest.approx(lp16, abs=1e-5)
 
 
 # ---- outputs on the default model ------------------------------------------------------------

@@ -33,7 +33,13 @@ from flashserve.engine.staging import Staging, Upload
 from flashserve.engine.step_plan import StepPlan
 from flashserve.models.attention import AttentionMetadata
 from flashserve.sampling.sampler import Sampler, SamplerOutput
-from kernels.kv_quant import KV_SCALE_DTYPE, kv_bytes_per_token_layer, kv_scale_shape
+from kernels.kv_quant import (
+    KV_SCALE_DTYPE,
+    head_major_pages,
+    kv_bytes_per_token_layer,
+    kv_scale_shape,
+    new_kv_pool,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +103,8 @@ class ModelRunner:
         kv_heads = model.rank_config.num_key_value_heads  # this rank's
         self.kv_shape = (config.block_size, kv_heads, mc.head_dim)
         self.kv_dtype = config.torch_kv_dtype
+        # pools whose pages hold a KV head's rows together (fp8 pages of >= 64 tokens)
+        self.kv_head_major = head_major_pages(self.kv_dtype, self.block_size)
         # K and V of one token in every layer, this rank's KV heads: the pages, and an fp8
         # cache's scales
         self.kv_bytes_per_token = mc.num_hidden_layers * kv_bytes_per_token_layer(
@@ -123,9 +131,10 @@ class ModelRunner:
 
                 self.graphs = DecodeGraphs(self)
         rank = f" per rank (its {kv_heads} KV heads)" if self.tp.size > 1 else ""
+        layout = ", a head's rows together" if self.kv_head_major else ""
         logger.info(
-            "KV cache: %s, %d blocks of %d tokens = %d tokens (%.2f GiB%s); max model len %d",
-            config.kv_cache_dtype, self.num_blocks, self.block_size, self.num_kv_tokens,
+            "KV cache: %s, %d blocks of %d tokens%s = %d tokens (%.2f GiB%s); max model len %d",
+            config.kv_cache_dtype, self.num_blocks, self.block_size, layout, self.num_kv_tokens,
             self.kv_cache_bytes / 2**30, rank, self.max_model_len,
         )  # fmt: skip
 
@@ -140,21 +149,21 @@ class ModelRunner:
         return self.num_kv_tokens * self.kv_bytes_per_token
 
     def _new_layer_cache(self) -> tuple[torch.Tensor, ...]:
-        """One layer's pools: (k, v), and for an fp8 cache its scales (k, v, k_scale, v_scale)."""
-        pages = (self.num_blocks, *self.kv_shape)
-        pools = (self._new_pool(pages, self.kv_dtype), self._new_pool(pages, self.kv_dtype))
-        if self.config.kv_cache_dtype != "fp8":
-            return pools
-        scales = kv_scale_shape(self.num_blocks, *self.kv_shape[:2])
-        return (*pools, self._new_pool(scales, KV_SCALE_DTYPE),
-                self._new_pool(scales, KV_SCALE_DTYPE))  # fmt: skip
-
-    def _new_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One layer's pools: (k, v), and for an fp8 cache its scales (k, v, k_scale, v_scale).
+        The K/V pools are ``[N, BS, Hkv, D]``, stored with a head's rows of a page together
+        where ``kv_head_major`` (fp8 pages of 64 tokens and more)."""
         # zeros on CUDA: padded rows of a captured decode batch read block 0 and must see finite
         # values (fp8 zeros with zero scales too); on the CPU, empty keeps the untouched pool
         # out of resident memory
-        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        return alloc(shape, dtype=dtype, device=self.device)
+        zeros = self.device.type == "cuda"
+        pools = tuple(new_kv_pool(self.num_blocks, *self.kv_shape, self.kv_dtype, self.device,
+                                  self.kv_head_major, zeros) for _ in range(2))  # fmt: skip
+        if self.config.kv_cache_dtype != "fp8":
+            return pools
+        alloc = torch.zeros if zeros else torch.empty
+        scales = kv_scale_shape(self.num_blocks, *self.kv_shape[:2])
+        return (*pools, *(alloc(scales, dtype=KV_SCALE_DTYPE, device=self.device)
+                          for _ in range(2)))  # fmt: skip
 
     def _landing_buffers(self) -> list[torch.Tensor]:
         """Two pinned float64 buffers of ``2 * max_num_seqs`` that launched steps copy their
