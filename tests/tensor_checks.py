@@ -47,3 +47,13 @@ def cu_of(lens, device: str | None = None) -> torch.Tensor:  # [B + 1] int32
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                         device=device)  # fmt: skip
+
+
+def head_major_copy(pool: torch.Tensor) -> torch.Tensor:
+    """A KV pool ``[N, PAGE, Hkv, D]`` with the same values (bytes: e4m3 NaN too), stored a
+    head's rows of a page together (``kv_quant.new_kv_pool(head_major=True)``)."""
+    from kernels.kv_quant import new_kv_pool
+
+    out = new_kv_pool(*pool.shape, pool.dtype, pool.device, head_major=True)
+    out.view(torch.uint8).copy_(pool.view(torch.uint8))
+    return out

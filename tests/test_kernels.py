@@ -18,11 +18,10 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close, cu_of, rel_err  # noqa: E402
+from tensor_checks import assert_close, cu_of, head_major_copy, rel_err  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.decode import DecodeTuning, decode_attention  # noqa: E402
-from kernels.kv_quant import new_kv_pool  # noqa: E402
 from kernels.prefill import prefill_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -500,15 +499,12 @@ def test_prefill_hopper_refuses_what_it_cannot_run(d, page, kw, message):
         run_prefill(q, kv, cu_of([50]), 0.125, **{"path": "hopper", **kw})
 
 
-def head_major_copy(kv: Paged) -> Paged:
-    """``kv`` in pools that keep a head's rows of a page together (``kv_quant.new_kv_pool``),
-    the same values; the engine stores fp8 pages so (tests/test_kv_fp8.py)."""
+def head_major_paged(kv: Paged) -> Paged:
+    """``kv`` in pools that keep a head's rows of a page together, the same values; the engine
+    stores fp8 pages so (tests/test_kv_fp8.py)."""
     other = Paged.__new__(Paged)
     other.__dict__.update(kv.__dict__)
-    other.k, other.v = (new_kv_pool(*x.shape, x.dtype, x.device, head_major=True)
-                        for x in (kv.k, kv.v))  # fmt: skip
-    other.k.copy_(kv.k)
-    other.v.copy_(kv.v)
+    other.k, other.v = head_major_copy(kv.k), head_major_copy(kv.v)
     return other
 
 
@@ -521,13 +517,13 @@ def test_head_major_pools_give_the_same_results(path):
     kv = nan_past_the_end(Paged([a + b for a, b in zip(qlens, ctx)], 2, 64, 64, torch.float16))
     if path == "decode":
         q = torch.randn(len(qlens), 8, 64, device=DEVICE).half()
-        got = [run_decode(q, x, 0.125, num_splits=3) for x in (kv, head_major_copy(kv))]
+        got = [run_decode(q, x, 0.125, num_splits=3) for x in (kv, head_major_paged(kv))]
         want = decode_ref(q, kv, 0.125)
     else:
         q = torch.randn(sum(qlens), 8, 64, device=DEVICE).half()
         cfg = (32, 32, 4, 1, 1) if path == "hopper" else None
         got = [run_prefill(q, x, cu_of(qlens), 0.125, path=path, config=cfg)
-               for x in (kv, head_major_copy(kv))]  # fmt: skip
+               for x in (kv, head_major_paged(kv))]  # fmt: skip
         want = prefill_ref(q, kv, cu_of(qlens), 0.125)
     (out, lse), (out_hm, lse_hm) = got
     assert torch.equal(out_hm, out) and torch.equal(lse_hm, lse), f"{path}: layouts differ"

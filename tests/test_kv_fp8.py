@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close, cu_of  # noqa: E402
+from tensor_checks import assert_close, cu_of, head_major_copy  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.decode import DecodeTuning, decode_attention, scales_ahead  # noqa: E402
@@ -403,11 +403,7 @@ def _head_major(kv: Fp8Paged) -> Fp8Paged:
     """``kv`` with its K/V pools stored a head's rows of a page together; values unchanged."""
     hm = Fp8Paged.__new__(Fp8Paged)
     hm.__dict__.update(kv.__dict__)
-    for name in ("k", "v"):
-        src = getattr(kv, name)
-        pool = new_kv_pool(*src.shape, src.dtype, src.device, head_major=True)
-        pool.view(torch.uint8).copy_(src.view(torch.uint8))
-        setattr(hm, name, pool)
+    hm.k, hm.v = head_major_copy(kv.k), head_major_copy(kv.v)
     return hm
 
 
