@@ -165,14 +165,20 @@ class EngineConfig:
         return self.max_kv_tokens is not None or self.kv_cache_memory_bytes is not None
 
     def _default_block_size(self) -> int:
-        """128 where the sm_90 prefill paths can run (the triton backend on an sm_90 GPU, a
-        bf16/fp16 cache, a path other than portable), else 16: measured at both on the H100,
-        decode is the same (175 / 144 / 90 tok/s at 4K / 32K / 128K) and the prefill kernels
-        need pages of >= HOPPER_MIN_PAGE (docs/benchmarks/kernels.md, 2026-11-27)."""
-        hopper = (self.attention_backend == "triton" and self.device.startswith("cuda")
-                  and torch.cuda.get_device_capability(self.device)[0] == 9
-                  and self.kv_cache_dtype in ("bfloat16", "float16")
-                  and self.prefill_path != "portable")  # fmt: skip
+        """128 on an sm_90 GPU with the triton backend where the cache is bf16/fp16 and the
+        prefill path is not portable, or the cache is fp8; else 16. Measured on the H100
+        (docs/benchmarks/kernels.md and fp8.md): bf16 decode is the same at both (175 / 144 /
+        90 tok/s at 4K / 32K / 128K) and the sm_90 prefill paths need pages of >=
+        HOPPER_MIN_PAGE; an fp8 cache of 128-token pages is stored a head's rows together
+        (``kv_quant.head_major_pages``): decode 176 / 157 / 116 -> 177 / 159 / 119 tok/s, and
+        the first token of 128K no later (21.2 -> 20.6 s, 2026-11-27)."""
+        sm90_triton = (self.attention_backend == "triton" and self.device.startswith("cuda")
+                       and torch.cuda.get_device_capability(self.device)[0] == 9)  # fmt: skip
+        if not sm90_triton:
+            return 16
+        if self.kv_cache_dtype == "fp8":
+            return 128
+        hopper = self.kv_cache_dtype in ("bfloat16", "float16") and self.prefill_path != "portable"
         return 128 if hopper else 16
 
     def _check_prefill_path(self) -> None:

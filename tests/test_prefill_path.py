@@ -60,7 +60,7 @@ def test_the_page_each_path_needs(sm):
 
 def test_an_fp8_cache_takes_the_hopper_path_not_gluon(sm, monkeypatch):
     """The Hopper path reads e4m3 pages (kernels.prefill); the Gluon kernel does not. fp8
-    caches keep 16-token blocks by default, so hopper needs a block size given."""
+    caches take 128-token blocks by default on sm_90; hopper refuses a smaller one given."""
     sm((9, 0))
     monkeypatch.setattr(triton, "__version__", GLUON_TRITON + "0")
     for block in (64, 128):
@@ -69,8 +69,9 @@ def test_an_fp8_cache_takes_the_hopper_path_not_gluon(sm, monkeypatch):
             "hopper", "fp8", block)  # fmt: skip
     with pytest.raises(ValueError, match="prefill_path gluon takes bf16/fp16 KV caches, not fp8"):
         _config(prefill_path="gluon", kv_cache_dtype="fp8")
+    assert EngineConfig(device="cuda", prefill_path="hopper", kv_cache_dtype="fp8").block_size == 128
     with pytest.raises(ValueError, match="prefill_path hopper needs block_size >= 64, got 16"):
-        EngineConfig(device="cuda", prefill_path="hopper", kv_cache_dtype="fp8")
+        EngineConfig(device="cuda", prefill_path="hopper", kv_cache_dtype="fp8", block_size=16)
     assert _config(kv_cache_dtype="fp8").prefill_path == "auto"
 
 
@@ -104,7 +105,9 @@ def test_gluon_refuses_float32_and_other_tritons(sm, monkeypatch):
         ((9, 0), {"prefill_path": "hopper"}, 128),
         ((9, 0), {"dtype": "float16"}, 128),
         ((9, 0), {"prefill_path": "portable"}, 16),
-        ((9, 0), {"kv_cache_dtype": "fp8"}, 16),  # until decode at 128-token fp8 pages is timed
+        ((9, 0), {"kv_cache_dtype": "fp8"}, 128),  # a head's rows of a page together
+        ((9, 0), {"kv_cache_dtype": "fp8", "prefill_path": "portable"}, 128),
+        ((8, 9), {"kv_cache_dtype": "fp8"}, 16),  # Ada reads e4m3 too: token rows
         ((9, 0), {"dtype": "float32"}, 16),  # so do float32 ones
         ((9, 0), {"attention_backend": "torch"}, 16),
         ((9, 0), {"device": "cpu"}, 16),
@@ -115,7 +118,8 @@ def test_gluon_refuses_float32_and_other_tritons(sm, monkeypatch):
 )
 def test_the_default_block_size_follows_the_prefill_path(sm, cap, overrides, block):
     """128-token blocks where the sm_90 prefill paths can run (their tiles are a page's run of
-    >= 64 keys), 16 elsewhere; a given size is kept."""
+    >= 64 keys) and for fp8 caches on sm_90 (stored head-major), 16 elsewhere; a given size is
+    kept."""
     sm(cap)
     config = EngineConfig(**{"device": "cuda", **overrides})
     assert config.block_size == block

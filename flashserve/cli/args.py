@@ -70,8 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         f"{EngineConfig.gpu_memory_utilization:.2f})",
     )
     g.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two; "
-                   "default 128 where the sm_90 prefill paths run: the triton backend on an "
-                   "H100/H200 with a bf16/fp16 cache; else 16)")  # fmt: skip
+                   "default 128 with the triton backend on an H100/H200 for an fp8 cache, and "
+                   "for a bf16/fp16 one unless --prefill-path portable; else 16)")  # fmt: skip
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     g.add_argument(
         "--quantization",
