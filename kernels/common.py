@@ -107,6 +107,27 @@ def softcap_factors(scale: float, softcap: float) -> tuple[float, float]:
 
 
 @triton.jit
+def _pow2(e):
+    """2^e as float32 for integer ``e`` in [-126, 127], from its exponent bits: exact."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f16_queries(q):
+    """Queries [BG, BD] (bf16 or fp16) for the f16 dots over an fp8 cache: ``q * 2^k`` in f16
+    and ``2^-k``, which the scores are multiplied by, with 2^k putting the largest ``|q|`` in
+    [2^13, 2^14) (exact: powers of two). f16's range is 2^-24 to 65,504, bf16's float32's: so
+    scaled, any bf16 query fits (the K tiles' e4m3 values, up to 448, are exact in f16) and
+    every element down to 2^-27 of the largest keeps f16's 11 bits (a bf16 query has 8);
+    unscaled, a query past 65,504 would be inf. Once per program (decode) or query tile
+    (prefill)."""
+    amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+    # floor(log2(amax)) from its exponent bits; an all-zero q (-127) clamped to stay normal
+    e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100)
+    return (q.to(tl.float32) * _pow2(13 - e)).to(tl.float16), _pow2(e - 13)
+
+
+@triton.jit
 def softcap_log2(x, cap_in, cap_out):
     """``cap_out * tanh(x * cap_in / 2)``: with ``softcap_factors``, ``x`` a raw dot product
     ``q . k``, the soft-capped score ``softcap * tanh(scale * x / softcap)`` in log2 units.

@@ -38,7 +38,7 @@ head) are loaded beside it, and the dots run in f16 with float32 accumulation (n
 dot): e4m3 values are exact in f16 and sm_90 converts them two at a time (to bf16 only
 through f16, one value at a time), so bf16 and fp16 queries are converted to f16 once per
 program, scaled by a power of two that makes any bf16 query fit f16's range
-(``_f16_queries``); float32 queries (tests) take float32 tiles and dots. The K scales
+(``common.f16_queries``); float32 queries (tests) take float32 tiles and dots. The K scales
 multiply the score columns (``s[:, n] *= k_scale[n]``, folded into the softmax scale: one
 multiply a score, as before) and the V scales the columns of P before the P.V dot (times
 ``V_SCALE_SHIFT``, which keeps them out of f16's subnormals, divided out of the output). The
@@ -74,6 +74,7 @@ from kernels.common import (
     check_cache_dtypes,
     check_kv_pages,
     check_window_softcap,
+    f16_queries,
     pdl_wait,
     softcap_factors,
     softcap_log2,
@@ -147,26 +148,6 @@ def _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_o
         row = pages * stride_kb + ((n0 + offs_n) % PAGE) * stride_kt + head_off  # [BN]
         _prefetch_rows(K + row, nbytes)
         _prefetch_rows(V + row, nbytes)
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as float32 for integer ``e`` in [-126, 127], from its exponent bits: exact."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _f16_queries(q):
-    """Queries [BG, BD] (bf16 or fp16) for the f16 dots over an fp8 cache: ``q * 2^k`` in f16
-    and ``2^-k``, which the scores are multiplied by, with 2^k putting the largest ``|q|`` in
-    [2^13, 2^14) (exact: powers of two). f16's range is 2^-24 to 65,504, bf16's float32's: so
-    scaled, any bf16 query fits (the K tiles' e4m3 values, up to 448, are exact in f16) and
-    every element down to 2^-27 of the largest keeps f16's 11 bits (a bf16 query has 8);
-    unscaled, a query past 65,504 would be inf. Once per program."""
-    amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-    # floor(log2(amax)) from its exponent bits; an all-zero q (-127) clamped to stay normal
-    e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100)
-    return (q.to(tl.float32) * _pow2(13 - e)).to(tl.float16), _pow2(e - 13)
 
 
 @triton.jit
@@ -398,7 +379,7 @@ def _decode_split_kernel(
     q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BG, BD]
     if FP8 and q.dtype != tl.float32:  # f16 dots (module doc); float32 queries stay exact
-        q, q_unit = _f16_queries(q)
+        q, q_unit = f16_queries(q)
         qk_scale = qk_scale * q_unit
         cap_in = cap_in * q_unit
 

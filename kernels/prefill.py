@@ -26,8 +26,13 @@ soft-capping are constexpr switches: without them the kernel compiles as before.
 
 An fp8 cache (the ``FP8`` constexpr; ``kernels.kv_quant``) is dequantized as tiles load, as in
 ``kernels.decode``: each K/V tile's per-token scales load beside it, the e4m3 tile converts
-exactly to the queries' dtype for the same dots (float32 accumulation), the K scales multiply
-the score columns and the V scales (times ``V_SCALE_SHIFT``) the columns of P.
+exactly to f16 for f16 dots (float32 accumulation; bf16 and fp16 queries scaled by a power of
+two into f16 once per query tile, ``common.f16_queries``; float32 queries, in tests, take
+float32 tiles), the K scales multiply the score columns and the V scales (times
+``V_SCALE_SHIFT``) the columns of P. f16 rather than bf16 tiles because sm_90 converts e4m3 to
+f16 two values an instruction and to bf16 only through f16 (H100, TTFT of 128K over an fp8
+cache with bf16 tiles: 20.6 s, twice the bf16 cache's; numbers with the f16 tiles in
+docs/benchmarks/fp8.md).
 
 The Hopper path (sm_90, issue 17; ``path="hopper"``, or ``"auto"`` on an sm_90 GPU with pages
 of >= 64 tokens) is the same kernel with two constexprs set. ``TMA``: K and V tiles arrive by
@@ -74,6 +79,7 @@ import triton.language as tl
 from kernels.common import (
     check_cache_dtypes,
     check_window_softcap,
+    f16_queries,
     num_sms,
     softcap_factors,
     softcap_log2,
@@ -294,6 +300,10 @@ def _prefill_tile(
             mask=m_mask[:, None] & d_mask[None, :],
             other=0.0,
         )  # [BM, BD]
+        if FP8 and q.dtype != tl.float32:  # f16 dots (module doc); float32 queries stay exact
+            q, q_unit = f16_queries(q)
+            qk_scale = qk_scale * q_unit
+            cap_in = cap_in * q_unit
         q_pos = ctx + offs_m  # [BM]
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

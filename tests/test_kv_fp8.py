@@ -299,6 +299,9 @@ PREFILL_CASES = [  # (dtype, hq, hkv, d, query lens, cached context, page, call 
     (torch.float16, 6, 2, 96, [33, 64], [50, 0], 16, {"window": 20}),
     (torch.float16, 4, 2, 64, [50, 1], [70, 31], 64, {"softcap": 5.0, "window": 40}),
     (torch.float32, 2, 2, 64, [65], [0], 16, {"softcap": 3.0}),
+    # bf16 queries: f16 dots here too (common.f16_queries), so the interpreter can run them
+    (torch.bfloat16, 4, 2, 64, [40, 9], [25, 60], 16, {"window": 30}),
+    (torch.bfloat16, 8, 2, 128, [70], [0], 64, {}),
 ]
 
 
@@ -531,18 +534,27 @@ def test_small_values_keep_their_precision_in_fp16():
 
 
 @pytest.mark.parametrize("gain", [1e5, 1e-6])
-def test_decode_fp8_bf16_queries_outside_f16s_range(gain):
+def test_fp8_bf16_queries_outside_f16s_range(gain):
     """bf16 queries up to ~4e5 (past f16's 65,504) or ~4e-6 (f16 subnormals, 11 bits lost),
-    with the softmax scale divided by the same factor so the scores are ordinary: the f16 dots
-    take q times a power of two (``_f16_queries``) and keep bf16's tolerance."""
+    with the softmax scale divided by the same factor so the scores are ordinary: decode's and
+    prefill's f16 dots take q times a power of two (``common.f16_queries``) and keep bf16's
+    tolerance."""
     kv = Fp8Paged([300, 1, 77], 2, 64, 16)
     q = (torch.randn(3, 4, 64, device=DEVICE) * gain).to(torch.bfloat16)
+    qp = (torch.randn(50, 4, 64, device=DEVICE) * gain).to(torch.bfloat16)
+    cu = cu_of([40, 1, 9])  # chunks at the end of each sequence
     scale = 0.125 / gain
     for kw in ({}, {"window": 200, "softcap": 4.0}):
         out, lse = _decode(q, kv, scale, **kw)
         ref, ref_lse = _decode_ref(q, kv, scale, **kw)
         assert_close(out, ref, TOL[torch.bfloat16], f"fp8 decode, queries x {gain} {kw}")
         assert_close(lse, ref_lse, LSE_TOL[torch.bfloat16], f"fp8 decode lse x {gain} {kw}")
+        out, lse = _prefill(qp, kv, cu, scale, **kw)
+        ref, ref_lse = reference.prefill_attention(qp.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                                   kv.block_tables, scale, return_lse=True,
+                                                   **kw)  # fmt: skip
+        assert_close(out, ref, TOL[torch.bfloat16], f"fp8 prefill, queries x {gain} {kw}")
+        assert_close(lse, ref_lse, LSE_TOL[torch.bfloat16], f"fp8 prefill lse x {gain} {kw}")
 
 
 def test_reference_attention_reads_fp8_as_its_dequantized_cache():

@@ -69,7 +69,8 @@ def test_an_fp8_cache_takes_the_hopper_path_not_gluon(sm, monkeypatch):
             "hopper", "fp8", block)  # fmt: skip
     with pytest.raises(ValueError, match="prefill_path gluon takes bf16/fp16 KV caches, not fp8"):
         _config(prefill_path="gluon", kv_cache_dtype="fp8")
-    assert EngineConfig(device="cuda", prefill_path="hopper", kv_cache_dtype="fp8").block_size == 128
+    config = EngineConfig(device="cuda", prefill_path="hopper", kv_cache_dtype="fp8")
+    assert config.block_size == 128
     with pytest.raises(ValueError, match="prefill_path hopper needs block_size >= 64, got 16"):
         EngineConfig(device="cuda", prefill_path="hopper", kv_cache_dtype="fp8", block_size=16)
     assert _config(kv_cache_dtype="fp8").prefill_path == "auto"
