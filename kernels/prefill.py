@@ -116,7 +116,7 @@ def _prefill_inner(
     q,  # [BM, BD]
     K,  # pools [N, PAGE, Hkv, D], or (TMA) descriptors over them as [N * PAGE, Hkv * D]
     V,
-    KS,  # FP8: the K and V scale pools [N, Hkv, PAGE]
+    KS,  # FP8: the K and V scale pools [N, Hkv, PAGE], or (TMA) descriptors over them as one run
     VS,
     bt,  # this sequence's block-table row
     head_off,  # kv_head * stride_kh, or (TMA) the head's first column in the pool view
@@ -203,18 +203,24 @@ def _prefill_inner(
             else:
                 k = tl.load(K + ptrs, mask=d_mask[None, :], other=0.0)
                 v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
-        if FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
-            # TMA: copied ahead with the tiles (cp.async; no synchronous load in the loop)
-            if TMA and HEAD_MAJOR:  # the scale pools [N, Hkv, PAGE] have the view's rows
-                srow = row + offs_n
+        if FP8 and TMA:  # a tile's scales are one run of the scale pools [N, Hkv, PAGE]: one
+            # bulk copy each, copied ahead with the tiles (per-thread copies in the MMA's
+            # layout were 2 values each: ~200 instructions an iteration, sm90_compile)
+            if HEAD_MAJOR:  # the scale pools have the view's rows
+                s0 = row
             else:
-                srow = page * stride_sb + s_head + kv % PAGE  # [BN]
+                s0 = row // PAGE * stride_sb + s_head + start % PAGE
+            k_sc = KS.load([s0]).to(tl.float32)  # masked below with the scores
+            v_sc = VS.load([s0]).to(tl.float32)
+        elif FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
+            srow = page * stride_sb + s_head + kv % PAGE  # [BN]
             if PAGE < BLOCK_N:
                 srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
             else:
                 srow = tl.max_contiguous(tl.multiple_of(srow, BLOCK_N), BLOCK_N)
             k_sc = tl.load(KS + srow).to(tl.float32)  # masked below with the scores
             v_sc = tl.load(VS + srow).to(tl.float32)
+        if FP8:
             if MASKED:  # past the end a slot's scale may be anything: 0 * NaN is NaN
                 k_sc = tl.where(live, k_sc, 0.0)
                 v_sc = tl.where(live, v_sc, 0.0)
@@ -376,7 +382,7 @@ def _prefill_kernel(
     Q,  # [T, Hq, D]
     K,  # [N, PAGE, Hkv, D], or (TMA) a descriptor over it as [N * PAGE, Hkv * D]
     V,  # [N, PAGE, Hkv, D], or (TMA) a descriptor over it as [N * PAGE, Hkv * D]
-    KS,  # [N, Hkv, PAGE] (FP8): K's scales
+    KS,  # [N, Hkv, PAGE] (FP8): K's scales, or (TMA) a descriptor over them as one run
     VS,  # [N, Hkv, PAGE] (FP8): V's scales
     CuSeqlensQ,  # [B+1] int32
     SeqLens,  # [B] int32
@@ -536,6 +542,12 @@ def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) 
     return [TensorDescriptor(x, *pool_view(x), [block_n, d]) for x in (k_cache, v_cache)]
 
 
+def _scale_descriptors(k_scale: torch.Tensor, v_scale: torch.Tensor, block_n: int) -> list:
+    """The scale pools (contiguous ``[N, Hkv, PAGE]``) as one run each, for bulk copies of a
+    tile's ``block_n`` scales."""
+    return [TensorDescriptor(x, [x.numel()], [1], [block_n]) for x in (k_scale, v_scale)]
+
+
 def _gluon_config(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, config):
     """The Gluon kernel's module and config for ``path="gluon"``; ValueError with the reason
     if it cannot take these inputs (its own refusals, then the Hopper path's pool and
@@ -686,13 +698,18 @@ def prefill_attention(
     lse_arg = lse if return_lse else out
     n_tiles = triton.cdiv(max_query_len, block_m)
     kv = _kv_descriptors(k_cache, v_cache, block_n) if hopper else (k_cache, v_cache)
+    if not fp8:
+        scales = (k_cache, v_cache)  # unread
+    elif hopper:
+        scales = _scale_descriptors(k_scale, v_scale, block_n)
+    else:
+        scales = (k_scale, v_scale)
     if per_sm:  # persistent: a program per SM slot, looping over the work items
         grid = (min(n_tiles * hq * bsz, num_sms(q.device) * per_sm),)
     else:
         grid = (n_tiles, hq, bsz)
     _prefill_kernel[grid](
-        q, *kv, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
-        cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
+        q, *kv, *scales, cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
         scale * _LOG2E, *softcap_factors(scale, softcap), window, n_tiles, hq, bsz,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

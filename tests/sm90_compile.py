@@ -110,8 +110,11 @@ def hopper_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt="bf16", fp
     persistent loop; ``cfg`` by default ``hopper_config``'s."""
     cfg = cfg or prefill.hopper_config(d, torch.bfloat16, page)[:4]
     desc = f"tensordesc<{'fp8e4nv' if fp8 else dt}[{cfg[1]}, {d}]>"
+    types = {"K": desc, "V": desc}
+    if fp8:  # the scale pools as one run each
+        types.update(KS=f"tensordesc<bf16[{cfg[1]}]>", VS=f"tensordesc<bf16[{cfg[1]}]>")
     flags = {"PAGE": page, "TMA": True, "PERSISTENT": True, **flags}
-    return prefill_kernel(fp8, dt, d, cfg, _types={"K": desc, "V": desc}, **flags)
+    return prefill_kernel(fp8, dt, d, cfg, _types=types, **flags)
 
 
 def gluon_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt: str = "bf16"):
