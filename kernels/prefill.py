@@ -96,6 +96,10 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634
+# A bulk copy lands at a 128-byte aligned shared address, so the scales' copies (2 bytes a key)
+# take KV tiles of >= 64 keys; smaller tiles' scales come by cp.async (sm_90: misaligned address)
+SCALE_TMA_MIN_N = 64
+_SCALE_TMA_MIN_N = tl.constexpr(SCALE_TMA_MIN_N)  # a jit function reads constexpr globals only
 _V_SHIFT = tl.constexpr(V_SCALE_SHIFT)  # a jit function reads constexpr globals only
 
 
@@ -203,9 +207,10 @@ def _prefill_inner(
             else:
                 k = tl.load(K + ptrs, mask=d_mask[None, :], other=0.0)
                 v = tl.load(V + ptrs, mask=d_mask[None, :], other=0.0)
-        if FP8 and TMA:  # a tile's scales are one run of the scale pools [N, Hkv, PAGE]: one
-            # bulk copy each, copied ahead with the tiles (per-thread copies in the MMA's
-            # layout were 2 values each: ~200 instructions an iteration, sm90_compile)
+        if FP8 and TMA and BLOCK_N >= _SCALE_TMA_MIN_N:  # a tile's scales are one run of the
+            # scale pools [N, Hkv, PAGE]: one bulk copy each, copied ahead with the tiles
+            # (per-thread cp.async in the MMA's layout moves 2 values a copy: ~200
+            # instructions an iteration at d128, sm90_compile; H200: 293 -> 311 TFLOP/s at 16K)
             if HEAD_MAJOR:  # the scale pools have the view's rows
                 s0 = row
             else:
@@ -213,7 +218,11 @@ def _prefill_inner(
             k_sc = KS.load([s0]).to(tl.float32)  # masked below with the scores
             v_sc = VS.load([s0]).to(tl.float32)
         elif FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
-            srow = page * stride_sb + s_head + kv % PAGE  # [BN]
+            # TMA: copied ahead with the tiles (cp.async; no synchronous load in the loop)
+            if TMA and HEAD_MAJOR:  # the scale pools [N, Hkv, PAGE] have the view's rows
+                srow = row + offs_n
+            else:
+                srow = page * stride_sb + s_head + kv % PAGE  # [BN]
             if PAGE < BLOCK_N:
                 srow = tl.max_contiguous(tl.multiple_of(srow, PAGE), PAGE)
             else:
@@ -700,7 +709,7 @@ def prefill_attention(
     kv = _kv_descriptors(k_cache, v_cache, block_n) if hopper else (k_cache, v_cache)
     if not fp8:
         scales = (k_cache, v_cache)  # unread
-    elif hopper:
+    elif hopper and block_n >= SCALE_TMA_MIN_N:
         scales = _scale_descriptors(k_scale, v_scale, block_n)
     else:
         scales = (k_scale, v_scale)

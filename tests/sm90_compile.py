@@ -111,7 +111,7 @@ def hopper_prefill_kernel(d: int = 128, page: int = 128, cfg=None, dt="bf16", fp
     cfg = cfg or prefill.hopper_config(d, torch.bfloat16, page)[:4]
     desc = f"tensordesc<{'fp8e4nv' if fp8 else dt}[{cfg[1]}, {d}]>"
     types = {"K": desc, "V": desc}
-    if fp8:  # the scale pools as one run each
+    if fp8 and cfg[1] >= prefill.SCALE_TMA_MIN_N:  # the scale pools as one run each
         types.update(KS=f"tensordesc<bf16[{cfg[1]}]>", VS=f"tensordesc<bf16[{cfg[1]}]>")
     flags = {"PAGE": page, "TMA": True, "PERSISTENT": True, **flags}
     return prefill_kernel(fp8, dt, d, cfg, _types=types, **flags)
