@@ -30,8 +30,8 @@ exactly to f16 for f16 dots (float32 accumulation; bf16 and fp16 queries scaled 
 two into f16 once per query tile, ``common.f16_queries``; float32 queries, in tests, take
 float32 tiles), the K scales multiply the score columns and the V scales (times
 ``V_SCALE_SHIFT``) the columns of P. f16 rather than bf16 tiles because sm_90 converts e4m3 to
-f16 two values an instruction and to bf16 only through f16 (H100, TTFT of 128K over an fp8
-cache with bf16 tiles: 20.6 s, twice the bf16 cache's; numbers with the f16 tiles in
+f16 two values an instruction and to bf16 only through f16 (H200, 16K tokens, the Hopper path
+at 128-token pages: 261 -> 295 TFLOP/s; the first token of 128K 20.5 -> 17.0 s;
 docs/benchmarks/fp8.md).
 
 The Hopper path (sm_90, issue 17; ``path="hopper"``, or ``"auto"`` on an sm_90 GPU with pages
@@ -56,10 +56,12 @@ is ignored with 8 warps and fails to compile with 4), so the overlap of copies a
 from software pipelining (``num_stages``). Head dims other than 64, 128, 256 stay on the
 portable path. Over an fp8 cache (``FP8`` and ``TMA``) the copies bring e4m3 tiles (a
 descriptor over the e4m3 pool, the same view: its rows are ``Hkv * D`` or ``D`` bytes,
-16-byte aligned) and the tile's scales load beside them, one contiguous vector of
-``BLOCK_N`` per pool (a head's scales of a page are contiguous: ``[N, Hkv, PAGE]``),
-pipelined with the copies; conversion and scaling are the portable FP8 code's, and in the
-masked tiles the dead slots' scales are zeroed with their V rows (either may be NaN).
+16-byte aligned) and the tile's scales come beside them, one contiguous run of ``BLOCK_N``
+per pool (a head's scales of a page are contiguous: ``[N, Hkv, PAGE]``): a bulk copy each
+through a 1-D descriptor over the scale pool for tiles of >= 64 keys (``SCALE_TMA_MIN_N``),
+cp.async for smaller ones, pipelined with the tiles; conversion and scaling are the portable
+FP8 code's, and in the masked tiles the dead slots' scales are zeroed with their V rows
+(either may be NaN).
 
 ``path="gluon"`` (and ``"auto"`` where it can run: ``_auto_gluon``) runs a separate kernel
 written in Gluon, FlashAttention-3 style (``kernels.prefill_gluon``): a producer warp, two
@@ -490,8 +492,9 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     persistent program per SM (at d128 its 8 warps of 207-240 registers fill most of the
     register file; at d64, 128 registers and 83 KB, two would fit). bf16 on the H100
     (2026-11-27): 480 / 512 TFLOP/s at 4K / 16K with 128-token pages. An fp8 cache takes the
-    same config, not yet timed: its stages are half the bytes, plus one K/V tile converted to
-    the queries' dtype (164,880 bytes at d128, page 128), but more stages buy no registers
+    same config (H200: 270 / 311 TFLOP/s, docs/benchmarks/fp8.md; its tile sweep not yet run):
+    its stages are half the bytes, plus one K/V tile converted to f16 (164,896 bytes at d128,
+    page 128), but more stages buy no registers
     (255 at d128 with 128-key tiles; Triton 3.9 spills in the KV loops at 4 stages, 3.6 does
     not: sm90_compile). ``python -m kernels.bench --sweep hopper [--kv-dtype fp8]`` times the
     alternatives."""
