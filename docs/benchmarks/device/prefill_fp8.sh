@@ -6,7 +6,7 @@
 #     cache (portable p16/64/128 beside hopper p64/128; SDPA stays bf16);
 #   PHASE=time: the Hopper tile sweep over an fp8 cache (HOPPER_CONFIGS + HOPPER_FP8_CONFIGS),
 #     then time to first token at 32K / 128K on dummy:llama3.1-8b with an fp8 cache: portable
-#     at 16-token blocks (the fp8 default) and 128, hopper at 128.
+#     at 16-token blocks (the fp8 default before bb9a180) and 128, hopper at 128 (the default now).
 #   run: PHASE=check bash docs/benchmarks/device/prefill_fp8.sh     carry: [".whl"]
 LIMIT=${LIMIT:-575}
 source docs/benchmarks/device/setup.sh
