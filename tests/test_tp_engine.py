@@ -44,7 +44,7 @@ from flashserve.engine.llm_engine import LLM, EngineDeadError, LLMEngine
 from flashserve.engine.parallel import missing_gpus, rank_device
 from flashserve.loaders.errors import WeightsError
 from flashserve.sampling.params import SamplingParams
-from kernels.kv_quant import FP8_KV_DTYPE, KV_SCALE_DTYPE
+from kernels.kv_quant import FP8_KV_DTYPE, KV_SCALE_DTYPE, is_head_major
 
 NEW = 12
 ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=10,
@@ -142,14 +142,17 @@ class TestOneEngineOnTwoRanks:
             two_ranks.engine.check_alive()
 
 
-def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint):
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint, block_size):
     """Teacher forcing over 35 tokens in steps of 10 (later chunks read the fp8 cache of
     earlier ones): the logits differ only by the all-reduces' order of sums, and the rare fp8
     rounding that this tips over: a cached K/V value one e4m3 step (2^-3) away moves the
     logits by up to ~2e-5 relative (measured: at most 6.7e-7 over 40 texts of 120 tokens, then
     1.8e-5 in one run of eight of this test), so the bound is 1e-3; a missing all-reduce or a
-    wrong shard moves them by ~1."""
-    config = dict(model=checkpoint, quantization="fp8", kv_cache_dtype="fp8", **ENGINE)
+    wrong shard moves them by ~1. Pages of 64 tokens are stored a head's rows together
+    (``kv_quant.head_major_pages``), each rank's of its own KV heads."""
+    config = dict(model=checkpoint, quantization="fp8", kv_cache_dtype="fp8",
+                  **{**ENGINE, "block_size": block_size})  # fmt: skip
     reqs = [(p, s) for p, s in _requests() if s.temperature == 0]
     text = torch.randint(3, 500, (35,)).tolist()
     got = {}
@@ -159,6 +162,7 @@ def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint):
             k, v, k_scale, v_scale = runner.kv_caches[0]
             assert k.dtype == v.dtype == FP8_KV_DTYPE and k.shape[2] == 3 - size  # KV heads
             assert k_scale.dtype == v_scale.dtype == KV_SCALE_DTYPE and k_scale.shape[1] == 3 - size
+            assert is_head_major(k) == is_head_major(v) == (block_size >= 64)
             outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs])
             logits = torch.cat(list(llm.engine.prompt_logits(text)))
             got[size] = ([o.token_ids for o in outs], logits, runner.kv_bytes_per_token)
