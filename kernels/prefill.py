@@ -216,7 +216,7 @@ def _prefill_inner(
             if HEAD_MAJOR:  # the scale pools have the view's rows
                 s0 = row
             else:
-                s0 = row // PAGE * stride_sb + s_head + start % PAGE
+                s0 = page * stride_sb + s_head + start % PAGE
             k_sc = KS.load([s0]).to(tl.float32)  # masked below with the scores
             v_sc = VS.load([s0]).to(tl.float32)
         elif FP8:  # hinted and unmasked, as in kernels.decode (every offset is in the pool)
