@@ -521,7 +521,7 @@ SWEEPS = ("decode-config", "per-sm", "pdl", "layout", "splits", "page", "prefill
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
+def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) -> list[dict]:
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
     Decode variants are ``DecodeTuning`` values or call arguments, never module state.
@@ -539,7 +539,9 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
     (variant "portable"); gluon: the Gluon kernel's ``GluonConfig`` values (``GLUON_CONFIGS``,
     as tuples) at the same points, the Hopper path's default beside them (variant "hopper").
     ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's dtype in
-    every variant. Variants that lost (K/V load hints, loop variants, the combine kernel):
+    every variant. ``heads`` (query, KV heads) and ``page`` (tokens): the splits and per-sm
+    sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for Llama-3-8B); splits times
+    the heuristic's own choice too (variant "heuristic"). Variants that lost (K/V load hints, loop variants, the combine kernel):
     docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
@@ -565,7 +567,8 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
                 for per_sm in PER_SM_CHOICES:
                     tuning = DecodeTuning(tiles=cfg, programs_per_sm=per_sm)
                     rec("per-sm", bsz, ctx, f"{cfg} x{per_sm}",
-                        attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv))  # fmt: skip
+                        attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv, hq=heads[0],
+                                hkv=heads[1], page=page))  # fmt: skip
     if "pdl" in which:
         for bsz, ctx in pts:
             for name, tuning in (("none", DecodeTuning(pdl=False)), ("pdl", DecodeTuning())):
@@ -586,11 +589,13 @@ def sweep(which: list[str], points=None, kv="bf16") -> list[dict]:
                 rec("layout", bsz, ctx, name,
                     attempt(time_ours, bsz * factor, ctx, kv=kv, **kw))  # fmt: skip
     if "splits" in which:
+        hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page}
         for bsz, ctx in pts:
+            rec("splits", bsz, ctx, "heuristic", attempt(time_ours, bsz, ctx, **hw))
             for sp in SPLIT_CHOICES:
-                if sp * 64 <= ctx and bsz * HKV * sp <= 3 * 132 * 2:
+                if sp * 64 <= ctx and bsz * heads[1] * sp <= 3 * 132 * 2:
                     rec("splits", bsz, ctx, sp,
-                        attempt(time_ours, bsz, ctx, num_splits=sp, kv=kv))  # fmt: skip
+                        attempt(time_ours, bsz, ctx, num_splits=sp, **hw))  # fmt: skip
     if "page" in which:
         for bsz, ctx in pts:
             for page in (16, 64, 256):
@@ -675,6 +680,9 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--prefill", default="4096,16384")
     ap.add_argument("--points", help="decode sweep points, e.g. 1x4096,32x131072")
+    ap.add_argument("--heads", default=f"{HQ}/{HKV}",
+                    help="query/KV heads of the splits and per-sm sweeps, e.g. 16/4")
+    ap.add_argument("--page", type=int, default=16, help="page of the splits and per-sm sweeps")
     ap.add_argument("--window", type=int, help="time sliding windows of this many tokens "
                     "instead (decode per --batches, prefill per --window-chunks)")  # fmt: skip
     ap.add_argument("--window-context", type=int, default=131072)
@@ -716,7 +724,8 @@ def main(argv=None) -> None:
             if args.points
             else None
         )
-        result["sweep"] = sweep(args.sweep.split(","), pts, args.kv_dtype)
+        heads = tuple(int(x) for x in args.heads.split("/"))
+        result["sweep"] = sweep(args.sweep.split(","), pts, args.kv_dtype, heads, args.page)
     elif args.window is not None:
         heads = [tuple(int(x) for x in h.split("/")) for h in args.window_heads.split(",")]
         result["window"] = window_table(

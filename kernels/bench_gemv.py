@@ -44,8 +44,12 @@ SHAPES = {  # name: (N, K), Llama-3-8B
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
-# narrow layers (tensor parallel 8), where the heuristic splits K: --shapes qkv_tp8,narrow
-EXTRA_SHAPES = {"qkv_tp8": (768, 4096), "narrow": (256, 14336)}
+# narrow layers (tensor parallel 8), where the heuristic splits K: --shapes qkv_tp8,narrow;
+# a rank's shapes at tensor parallel 2 (half the rows of the column-parallel layers, half the K
+# of the row-parallel ones, half the vocabulary): --shapes qkv_tp2,o_proj_tp2,...
+EXTRA_SHAPES = {"qkv_tp8": (768, 4096), "narrow": (256, 14336), "qkv_tp2": (3072, 4096),
+                "o_proj_tp2": (4096, 2048), "gate_up_tp2": (14336, 4096),
+                "down_tp2": (4096, 7168), "lm_head_tp2": (64128, 4096)}  # fmt: skip
 if SMOKE:
     SHAPES = {"qkv": (96, 512), "down": (64, 1536)}
     EXTRA_SHAPES = {"narrow": (16, 4096)}

@@ -692,3 +692,25 @@ def test_bench_serve_counts_cached_tokens_when_the_server_reports_them():
     rec = RequestRecord(10, 1)
     _openai_event({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 1}}, rec, 0)
     assert summarize([rec], 1.0, 0)["summary"]["cached_tokens"] is None
+
+
+def test_launch_table_groups_kernels_by_name_and_grid():
+    from flashserve.bench.profiling import launch_table
+
+    rng = random.Random()
+    a = [rng.uniform(1, 20) for _ in range(4)]  # two steps of [768] launches, two a step
+    b = [rng.uniform(21, 40) for _ in range(2)]  # one [3584] launch a step
+    events = [{"cat": "kernel", "name": "_linear_kernel", "dur": d, "args": {"grid": [768, 1, 1]}}
+              for d in a]  # fmt: skip
+    events += [{"cat": "kernel", "name": "_linear_kernel", "dur": d, "args": {"grid": [3584, 1, 1]}}
+               for d in b]  # fmt: skip
+    events.append({"cat": "cpu_op", "name": "aten::mm", "dur": 99.0})  # not a kernel
+    lines = launch_table({"traceEvents": events}, steps=2).splitlines()
+    rows = {ln.split("]")[0].split("[")[1]: ln.split("]")[1].split() for ln in lines[1:]}
+    assert set(rows) == {"768, 1, 1", "3584, 1, 1"}
+    calls, mean, per_step, share = map(float, rows["768, 1, 1"])
+    assert (calls, per_step) == (2.0, round(sum(a) / 2, 1))
+    assert abs(mean - sum(a) / 4) < 0.01
+    assert abs(share - 100 * sum(a) / (sum(a) + sum(b))) < 0.1
+    first = lines[1].split("]")[0]  # most total time first
+    assert first.endswith("768, 1, 1" if sum(a) > sum(b) else "3584, 1, 1")

@@ -50,6 +50,30 @@ def test_tuning_sweeps_time_every_variant(tmp_path, kv):
     assert all(r["us"] and r["us"] > 0 for r in res), [r for r in res if not r["us"]]
 
 
+def test_splits_sweep_times_the_heuristic_beside_each_count_at_the_heads_given(tmp_path,
+                                                                                 monkeypatch):
+    """``--sweep splits --heads 4/2 --page 32``: every split count that fits beside the
+    heuristic's own choice, each call on a cache of the heads and page asked for."""
+    from kernels import bench
+
+    seen = []
+    real = bench.time_ours
+
+    def spy(*args, **kw):
+        seen.append((kw.get("hq"), kw.get("hkv"), kw.get("page")))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench, "time_ours", spy)
+    out = tmp_path / "splits.json"
+    bench.main(["--sweep", "splits", "--heads", "4/2", "--page", "32", "--points", "1x256",
+                "--json", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())["sweep"]
+    want = ["heuristic"] + [sp for sp in bench.SPLIT_CHOICES if sp * 64 <= 256]
+    assert [r["variant"] for r in res] == want
+    assert all(r["us"] and r["us"] > 0 for r in res)
+    assert set(seen) == {(4, 2, 32)} and len(seen) == len(want)
+
+
 def test_window_target_times_three_variants_per_point(tmp_path, capsys):
     """``--window``: decode per batch and prefill per chunk, each the global kernel and the
     windowed one at a context of W and the windowed one at the long context, with the ratios
