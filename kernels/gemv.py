@@ -50,9 +50,9 @@ then activation kernel (``python -m kernels.bench_gemv --gated``), us: Gemma-3-1
 54.9 / 56.9, Llama-3-8B 54.4 / 55.5, Qwen3-8B 47.3 / 48.4; fused within 0.2 us of the GEMV.
 
 Tensor parallelism on two ranks (``FOLD``, ``linear_small_m(fold=...)``): a row-parallel layer's
-output is also stored into the other rank's symmetric-memory slot of this call, and every
-program then adds its share to that rank's flag (``kernels.fold``), where the norm after it
-waits: the all-reduce without a collective. The K loop is untouched (sm_90 compile reports:
+output is also stored into the other rank's symmetric-memory slot of this call, each value
+in an 8-byte word with the call's tag (``kernels.fold``), where the norm after it waits for
+them: the all-reduce without a collective, a fence or a flag. The K loop is untouched (sm_90 compile reports:
 the same SASS per weight byte within 1%, tests/test_tp_fold_compile.py).
 
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
@@ -71,7 +71,7 @@ import triton.language as tl
 from kernels.activation import gate_act, gelu_tanh_and_mul, silu_and_mul
 from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
-from kernels.fold import AllReduceFold, fold_send_done, fold_slot
+from kernels.fold import AllReduceFold, fold_call, fold_send
 from kernels.fp8 import fp8_linear
 
 MAX_M = 16
@@ -82,15 +82,15 @@ _GATED_GELU_TANH = tl.constexpr(GATED_ACTS["gelu_tanh"])  # a jit function reads
 
 
 @triton.jit
-def _store_out(acc, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_out, stride_om,
-               HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr,
+def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
+               stride_om, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr,
                LIBDEVICE: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
     """acc [BM, BN] fp32, column j the sum of weight row ``offs_n[j]`` (valid where
     ``n_mask``): ``y = acc (* scale[row]) (+ bias[row])``, then out[m, col0 + j] = y[m, j]
     (GATED 0), or with GATED the act of each even column times the odd one after it,
     ``act(y[m, 2j]) * y[m, 2j + 1]`` (SiLU: 1, GELU-tanh: 2), in fp32; for m < M and output
-    columns < n_out. FOLD: the same values into ``Send`` too (the peer's slot, rows of
-    n_out: ``kernels.fold``)."""
+    columns < n_out. FOLD: the same values into ``Send`` too, as words tagged ``tag`` (the
+    peer's slot, rows of n_out: ``kernels.fold``)."""
     if ROW_SCALE:
         acc *= tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -104,7 +104,7 @@ def _store_out(acc, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_o
     y = acc.to(Out.dtype.element_ty)
     tl.store(ptrs, y, mask=mask)
     if FOLD:
-        tl.store(Send + offs_m[:, None] * n_out + offs_o[None, :], y, mask=mask)
+        fold_send(Send + offs_m[:, None] * n_out + offs_o[None, :], y, mask, tag)
 
 
 @triton.jit
@@ -243,17 +243,18 @@ def _linear_kernel(
     DIAG: tl.constexpr = False,  # M <= 8 on tl.dot: x's rows in chunks (``_dot_steps``)
     GATED: tl.constexpr = 0,  # 0: out = the product; SiLU (1), GELU-tanh (2): the gated MLP's
     LIBDEVICE: tl.constexpr = False,  # GELU's tanh from libdevice (CUDA), else made of exp
-    Send=None,  # [2, R, N] the peer's slots (FOLD: kernels.fold)
-    SendFlag=None,  # [1] int64, the peer's flag (FOLD)
+    Send=None,  # [2, R, N] int64 words, the peer's slots (FOLD: kernels.fold)
     Calls=None,  # [1] int64, this rank's folded calls (FOLD)
     stride_send=0,  # elements of one slot of Send (FOLD)
-    FOLD: tl.constexpr = False,  # the output to the peer's slot too, then the peer's flag
+    FOLD: tl.constexpr = False,  # the output to the peer's slot too, as tagged words
 ):
     pdl_enter(CHAIN)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if FOLD:  # this call's slot of the peer's buffer
-        Send += fold_slot(Calls) * stride_send
+    tag = 0
+    if FOLD:  # this call's slot of the peer's buffer, its words' tag
+        slot, tag = fold_call(Calls)
+        Send += slot * stride_send
     offs_m = tl.arange(0, BLOCK_M)
     if GATED:  # W is [gate; up], N = 2I rows: tile column c is gate row i (c even) or up row
         half = N // 2  # I + i (c odd), i = pid_n * BLOCK_N / 2 + c // 2, an output column
@@ -353,13 +354,12 @@ def _linear_kernel(
                 ptrs = part[None, :, :] + idx[:, None, None] * M * N  # [MS, BM, BN]
                 live = (idx < num_splits)[:, None, None] & out_mask[None, :, :]
                 total += tl.sum(tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg"), 0)
-            _store_out(total, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_out,
-                       stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD)  # fmt: skip
+            _store_out(total, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M,
+                       n_out, stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE,
+                       FOLD)  # fmt: skip
     else:
-        _store_out(acc, Bias, Scale, Out, Send, offs_m, offs_n, n_mask, col0, M, n_out,
+        _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
                    stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD)  # fmt: skip
-    if FOLD:  # every program, the split ones that stored no output too: the peer counts them
-        fold_send_done(SendFlag)
 
 
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
@@ -375,6 +375,16 @@ def _linear_kernel(
 _TILE_M1 = (8, 1024, 4, 3)
 _TILE_M1_LONG = (4, 2048, 4, 3)
 _TILE_M1_LONG_PAD = 0.1
+# Short K and at most 4,096 rows (a tensor-parallel rank's layers; o_proj whole): (8, 512, 4, 3),
+# 14 K steps where the tiles above take 1-7. H200, 2026-11-27 (`python -m kernels.bench_gemv
+# --wide --diag --ms 1 --shapes qkv_tp2,o_proj_tp2,down_tp2,o_proj`, docs/benchmarks/
+# tensor-parallel.md), us, (8, 512, 4, 3) against the rule above: Llama-3-8B at TP=2 qkv
+# 3072 x 4096 7.99 / 8.70, o_proj 4096 x 2048 5.91 / 6.78, down 4096 x 7168 15.59 / 18.38;
+# o_proj 4096 x 4096 9.73 / 10.10. Wider layers (qkv 6144 rows: 16.9 / 13.8) and long K keep
+# the rule above.
+_TILE_M1_SHORT = (8, 512, 4, 3)
+_TILE_M1_SHORT_MAX_N = 4096
+_TILE_M1_SHORT_MAX_K = 8192
 # Under one 8-row tile per SM, 4-row tiles: qkv at tensor parallel 8 (768 rows) 4.5 us vs 4.9,
 # 256 rows x 14336 5.9 vs 6.1 (at 5 splits; 7.9 unsplit).
 _TILE_M1_NARROW = (4, 1024, 4, 4)
@@ -480,6 +490,8 @@ def gemv_config(
         tile = _TILE_DIAG_NARROW
     elif m == 1 and triton.cdiv(n, _TILE_M1[0]) < num_sms:
         tile = _TILE_M1_NARROW
+    elif m == 1 and n <= _TILE_M1_SHORT_MAX_N and k <= _TILE_M1_SHORT_MAX_K:
+        tile = _TILE_M1_SHORT
     elif m == 1:
         pad = triton.cdiv(k, _TILE_M1_LONG[1]) * _TILE_M1_LONG[1] - k
         tile = _TILE_M1_LONG if pad <= _TILE_M1_LONG_PAD * k else _TILE_M1
@@ -583,8 +595,8 @@ def linear_small_m(
     (``kernels.common.pdl_chain``).
 
     ``fold``: the output is this rank's partial sum of a row-parallel layer under tensor
-    parallelism on two ranks; it is also stored into the peer's slot of this call, whose flag
-    each program then advances (``kernels.fold``): the norm after it adds the two. Not with
+    parallelism on two ranks; it is also stored into the peer's slot of this call as words
+    tagged with the call (``kernels.fold``): the norm after it adds the two. Not with
     ``act``.
 
     ``diag`` (M <= 8, BLOCK_K >= 128; any weight): the dot takes x's rows (M rounded up to a
@@ -650,11 +662,10 @@ def linear_small_m(
 
 
 def _fold_args(fold: AllReduceFold | None) -> dict:
-    """_linear_kernel's FOLD arguments: the peer's slots and flag, this rank's counter."""
+    """_linear_kernel's FOLD arguments: the peer's slots, this rank's counter."""
     if fold is None:
-        return dict(Send=None, SendFlag=None, Calls=None, stride_send=0, FOLD=False)
-    return dict(Send=fold.send, SendFlag=fold.send_flag, Calls=fold.calls,
-                stride_send=fold.send.stride(0), FOLD=True)  # fmt: skip
+        return dict(Send=None, Calls=None, stride_send=0, FOLD=False)
+    return dict(Send=fold.send, Calls=fold.calls, stride_send=fold.send.stride(0), FOLD=True)
 
 
 def _gated(act: str | None, n: int) -> int:

@@ -11,7 +11,7 @@ from torch, which moves a result by at most one unit in the last place of the ou
 
 Under tensor parallelism on two ranks (``FOLD``, ``fold=``) the input is this rank's partial sum
 of a row-parallel layer: the kernel first waits for the other rank's (its GEMV stored them into
-this rank's slot and advanced this rank's flag: ``kernels.fold``) and adds them in float32,
+this rank's slot as words tagged with the call: ``kernels.fold``) and adds them in float32,
 rounded to the input's dtype as an all-reduce returns the sum; the rest is unchanged.
 """
 
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import pdl_enter, pdl_kwargs
-from kernels.fold import AllReduceFold, fold_wait
+from kernels.fold import AllReduceFold, fold_recv
 
 
 @triton.jit
@@ -57,12 +57,12 @@ def _rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,  # Gemma: scale by 1 + w in float32, one rounding
     BLOCK: tl.constexpr,
     CHAIN: tl.constexpr,
-    Recv=None,  # [2, R, H] the peer's partial sums of X, slot k % 2 (FOLD: kernels.fold)
-    RecvFlag=None,  # [1] int64, this rank's flag (FOLD)
+    Recv=None,  # [2, R, H] int64 words, the peer's partial sums of X, slot k % 2 (FOLD:
+    # kernels.fold)
     Calls=None,  # [1] int64, this rank's folded calls (FOLD)
-    Status=None,  # [1] int64, the flag value a program gave up on (FOLD)
-    stride_recv=0,  # elements of one slot of Recv (FOLD)
-    spin_limit=0,  # reads of the flag before giving up (FOLD)
+    Status=None,  # [1] int64, the tag a program gave up on (FOLD)
+    stride_recv=0,  # words of one slot of Recv (FOLD)
+    spin_limit=0,  # reads of the row's words before giving up (FOLD)
     FOLD: tl.constexpr = False,  # X is this rank's partial sum: wait for the peer's, add it
 ):
     pdl_enter(CHAIN)
@@ -71,9 +71,8 @@ def _rms_norm_kernel(
     mask = offs < H
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if FOLD:  # the all-reduce: the two ranks' sums added in float32, rounded as NCCL rounds
-        slot = fold_wait(Calls, RecvFlag, Status, spin_limit)
-        peer = tl.load(Recv + slot * stride_recv + row * H + offs, mask=mask, other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
+        peer = fold_recv(Recv, stride_recv, row * H + offs, mask, Calls, Status, spin_limit,
+                         X.dtype.element_ty)  # fmt: skip
         x = (x.to(tl.float32) + peer.to(tl.float32)).to(x.dtype)
     if HAS_RES:
         xf = x.to(tl.float32)
@@ -117,11 +116,11 @@ def _launch(x, residual, post_weight, weight, eps, unit_offset, out, res_out, ch
 
 
 def _fold_args(fold: AllReduceFold | None) -> dict:
-    """_rms_norm_kernel's FOLD arguments: this rank's slots, flag, counter and status."""
+    """_rms_norm_kernel's FOLD arguments: this rank's slots, counter and status."""
     if fold is None:
-        return dict(Recv=None, RecvFlag=None, Calls=None, Status=None, stride_recv=0,
-                    spin_limit=0, FOLD=False)  # fmt: skip
-    return dict(Recv=fold.recv, RecvFlag=fold.recv_flag, Calls=fold.calls, Status=fold.status,
+        return dict(Recv=None, Calls=None, Status=None, stride_recv=0, spin_limit=0,
+                    FOLD=False)  # fmt: skip
+    return dict(Recv=fold.recv, Calls=fold.calls, Status=fold.status,
                 stride_recv=fold.recv.stride(0), spin_limit=fold.spin_limit,
                 FOLD=True)  # fmt: skip
 

@@ -199,8 +199,8 @@ def gemv_kernel(
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
     if fold:
-        ptrs.update(Send=f"*{x}", SendFlag="*i64", Calls="*i64")
-    unfolded = {} if fold else dict(Send=None, SendFlag=None, Calls=None, stride_send=0)
+        ptrs.update(Send="*i64", Calls="*i64")
+    unfolded = {} if fold else dict(Send=None, Calls=None, stride_send=0)
     fp8 = w_scale > 0
     dot = m > 1 or fp8 or diag
     consts = dict(HAS_BIAS=False, SPLIT=split, USE_DOT=dot, EVEN_K=True,
@@ -220,11 +220,9 @@ def norm_kernel(dt: str = "bf16", h: int = 4096, fold: bool = False, post: bool 
     and adding them first (``kernels.fold``)."""
     ptrs = {"X": f"*{dt}", "Res": f"*{dt}", "WPost": f"*{dt}", "W": f"*{dt}", "Out": f"*{dt}",
             "ResOut": f"*{dt}"}  # fmt: skip
-    unfolded = dict(Recv=None, RecvFlag=None, Calls=None, Status=None, stride_recv=0,
-                    spin_limit=0)  # fmt: skip
+    unfolded = dict(Recv=None, Calls=None, Status=None, stride_recv=0, spin_limit=0)
     if fold:
-        ptrs.update(Recv=f"*{dt}", RecvFlag="*i64", Calls="*i64", Status="*i64",
-                    spin_limit="i64")  # fmt: skip
+        ptrs.update(Recv="*i64", Calls="*i64", Status="*i64", spin_limit="i64")
         unfolded = {}
     block = triton.next_power_of_2(h)
     consts = dict(H=h, HAS_RES=True, POST_NORM=post, POST_F32=False, UNIT_OFFSET=post,
@@ -471,6 +469,7 @@ _FP8_NARROW, _FP8_SPLIT, _FP8_WIDE = (16, 256, 1, 6), (32, 128, 1, 6), (128, 128
 _FP8_M8 = (64, 256, 4, 4)
 GEMV_VARIANTS = {
     "gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3)),
+    "gemv-bf16-m1-short": lambda: gemv_summary("bf16", tile=(8, 512, 4, 3)),
     "gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3)),
     "gemv-bf16-m1-diag": lambda: gemv_summary("bf16", tile=_FP8_NARROW, diag=True),
     "gemv-bf16-m8-diag": lambda: gemv_summary("bf16", m=8, tile=_FP8_NARROW, diag=True),
@@ -518,6 +517,7 @@ GEMV_VARIANTS.update({
 _F = functools.partial(gemv_summary, fold=True)
 FOLD_VARIANTS = {
     "fold-gemv-bf16-m1": lambda: _F("bf16", tile=(4, 2048, 4, 3)),
+    "fold-gemv-bf16-m1-short": lambda: _F("bf16", tile=(8, 512, 4, 3)),
     "fold-gemv-bf16-m8": lambda: _F("bf16", m=8, tile=(64, 256, 4, 3)),
     "fold-gemv-bf16-m1-split": lambda: _F("bf16", tile=(4, 2048, 4, 3), split=True),
     "fold-gemv-fp8-channel-m1": lambda: _F("fp8e4nv", tile=_FP8_NARROW, w_scale=1),
@@ -538,12 +538,16 @@ def norm_summary(**options) -> dict:
 def ptx_sync(kernel) -> dict:
     """What a folded kernel's ordering rests on (``kernels.fold``), in its PTX: atomics and
     reductions by opcode (``atom``/``red``; an atomic add of 0 whose result is read becomes an
-    ``ld...acquire``, counted with them), loads that skip L1 (``ld.global.cg``), ``bar.sync``s."""
+    ``ld...acquire``, counted with them), loads that skip L1 (``ld.global.cg``), volatile loads
+    (``ld.volatile.global``), memory fences (``fence.sc``/``fence.acq_rel``/``membar``; not
+    wgmma's proxy fences), ``bar.sync``s."""
     ptx = kernel.asm["ptx"].split(".section")[0]
     atoms = collections.Counter(
         re.findall(r"\b((?:atom|red)\.[\w.]+|ld\.global\.[\w.]*acquire[\w.]*)", ptx)
     )
     return {"atom": dict(sorted(atoms.items())), "ld_cg": len(re.findall(r"ld\.global\.cg", ptx)),
+            "ld_volatile": len(re.findall(r"ld\.volatile\.global", ptx)),
+            "fence": len(re.findall(r"\b(?:fence\.(?:sc|acq_rel)|membar)\b", ptx)),
             "bar_sync": len(re.findall(r"bar\.sync|barrier\.sync", ptx))}  # fmt: skip
 
 

@@ -143,6 +143,17 @@ def test_batch_one_takes_long_k_tiles_where_k_pads_little():
     assert gemv_config(1, 100, 4096, 132)[0] == 4  # narrow layers keep their own tiles
 
 
+def test_batch_one_takes_short_tiles_for_few_rows_of_short_k():
+    """M = 1, at most 4,096 rows of K up to 8,192 (a tensor-parallel rank's layers, o_proj):
+    (8, 512) tiles, unsplit; more rows or a longer K keep the tiles above."""
+    for n, k in [(3072, 4096), (4096, 2048), (4096, 7168), (4096, 4096), (3840, 4096)]:
+        assert gemv_config(1, n, k, 132)[:3] == (8, 512, 1), (n, k)
+    assert gemv_config(1, 6144, 4096, 132)[:2] == (4, 2048)  # qkv: more rows
+    assert gemv_config(1, 4096, 14336, 132)[:2] == (4, 2048)  # down: a longer K
+    assert gemv_config(1, 4096, 4096, 132, 1)[:2] != (8, 512)  # fp8 keeps its own rule
+    assert gemv_config(8, 4096, 4096, 132)[:2] != (8, 512)  # so do larger M
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.fold import ROWS as FOLD_ROWS
+from kernels.fold import WORD_BYTES as FOLD_WORD_BYTES
 from kernels.fold import AllReduceFold
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,11 @@ ONE_SHOT_MAX_BYTES = 64 << 10
 # With tp_all_reduce fused (two ranks on one host), the all-reduces after o_proj and down_proj
 # of steps of up to kernels.fold.ROWS tokens are folded into those GEMVs and the norms after
 # them (kernels.fold: no collective launched); the rest (the embeddings' all-reduce, larger
-# steps) go through NCCL. Each rank's symmetric buffer: its flag, then two slots of this many
-# bytes, at fixed offsets whatever the hidden size and dtype (so that consecutive calls never
-# share bytes): 16 rows of up to 16,384 float32 / 32,768 bf16 columns.
-FOLD_SLOT_BYTES = 1 << 20
-_FOLD_HEADER_BYTES = 4096  # the flag (int64) at offset 0
-CHECK_SPINS = 1 << 24  # the start-up check's norms wait at most this many reads of the flag
+# steps) go through NCCL. Each rank's symmetric buffer: two slots of this many bytes, at fixed
+# offsets whatever the hidden size and dtype (so that consecutive calls never share bytes):
+# 16 rows of up to 16,384 columns, a value and its call's tag in each 8-byte word.
+FOLD_SLOT_BYTES = 2 << 20
+CHECK_SPINS = 1 << 24  # the start-up check's norms wait at most this many reads of their row
 
 
 @dataclass(frozen=True)
@@ -315,12 +315,12 @@ class _OneShot:
 
 
 class _Fused:
-    """tp_all_reduce fused on this rank: its symmetric buffer (the flag the other rank's GEMVs
-    advance, two receive slots), the other rank's mapped here, the call counter and status;
+    """tp_all_reduce fused on this rank: its symmetric buffer (two receive slots of tagged
+    words), the other rank's mapped here, the call counter and status;
     ``fold`` hands the kernels their views (``kernels.fold.AllReduceFold``) for a hidden size
     and dtype. Set up by ``agreed`` on both ranks or on none."""
 
-    NBYTES = _FOLD_HEADER_BYTES + 2 * FOLD_SLOT_BYTES  # each rank's buffer
+    NBYTES = 2 * FOLD_SLOT_BYTES  # each rank's buffer
 
     def __init__(self, buf: torch.Tensor, peer_buf: torch.Tensor, handle=None) -> None:
         """``buf``: this rank's buffer (``NBYTES`` uint8, zeroed), ``peer_buf``: the other's
@@ -338,7 +338,7 @@ class _Fused:
         _OneShot.used_in_process = True  # one rendezvous per process: one_shot_refusal says why
         buf = symm_mem.empty(cls.NBYTES, dtype=torch.uint8, device=group.device)
         handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-        buf.zero_()  # the flag at 0 before the other rank may add to it (a vote follows)
+        buf.zero_()  # tag 0, no call's, before the other rank may write (a vote follows)
         peer_buf = handle.get_buffer(1 - group.rank, (cls.NBYTES,), torch.uint8, 0)
         torch.cuda.synchronize(group.device)
         return cls(buf, peer_buf, handle)
@@ -359,7 +359,7 @@ class _Fused:
                 fused = cls.rendezvous(group)
             except Exception as exc:  # peer access refused, no NVLink/P2P
                 why = f"{type(exc).__name__}: {exc}"
-            if group.min_int(0 if why else 1) == 1:  # both flags zeroed before a GEMV adds
+            if group.min_int(0 if why else 1) == 1:  # both slots zeroed before a GEMV writes
                 try:
                     why = fused.check(group)
                 except Exception as exc:  # a kernel that fails
@@ -372,25 +372,22 @@ class _Fused:
 
     def fold(self, hidden: int, dtype: torch.dtype) -> AllReduceFold:
         """The kernels' views for activations of ``hidden`` columns in ``dtype``: each slot
-        ``[ROWS, hidden]`` at its fixed offset (ValueError when it does not fit)."""
+        ``[ROWS, hidden]`` words at its fixed offset (ValueError when it does not fit)."""
         key = (hidden, dtype)
         if key not in self.folds:
-            if FOLD_ROWS * hidden * dtype.itemsize > FOLD_SLOT_BYTES:
-                raise ValueError(f"tp_all_reduce fused: {FOLD_ROWS} rows of {hidden} {dtype} "
+            if FOLD_ROWS * hidden * FOLD_WORD_BYTES > FOLD_SLOT_BYTES:
+                raise ValueError(f"tp_all_reduce fused: {FOLD_ROWS} rows of {hidden} words "
                                  f"do not fit its slots of {FOLD_SLOT_BYTES} bytes")  # fmt: skip
-            views = [self._slots(b, hidden, dtype) for b in (self.buf, self.peer_buf)]
-            flags = [b[:8].view(torch.int64) for b in (self.buf, self.peer_buf)]
-            self.folds[key] = AllReduceFold(send=views[1], send_flag=flags[1], recv=views[0],
-                                            recv_flag=flags[0], calls=self.calls,
-                                            status=self.status)  # fmt: skip
+            views = [self._slots(b, hidden) for b in (self.buf, self.peer_buf)]
+            self.folds[key] = AllReduceFold(send=views[1], recv=views[0], dtype=dtype,
+                                            calls=self.calls, status=self.status)  # fmt: skip
         return self.folds[key]
 
     @staticmethod
-    def _slots(buf: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[2, ROWS, hidden]`` of ``dtype`` over the two slots of ``buf`` (bytes)."""
-        slots = buf[_FOLD_HEADER_BYTES:].view(2, FOLD_SLOT_BYTES)
-        used = FOLD_ROWS * hidden * dtype.itemsize
-        return slots[:, :used].view(dtype).view(2, FOLD_ROWS, hidden)
+    def _slots(buf: torch.Tensor, hidden: int) -> torch.Tensor:
+        """``[2, ROWS, hidden]`` int64 words over the two slots of ``buf`` (bytes)."""
+        used = FOLD_ROWS * hidden * FOLD_WORD_BYTES
+        return buf.view(2, FOLD_SLOT_BYTES)[:, :used].view(torch.int64).view(2, FOLD_ROWS, hidden)
 
     def check(self, group: TPGroup) -> str | None:
         """None when three folded calls (both slots, one reused) give NCCL's sums exactly
@@ -413,5 +410,5 @@ class _Fused:
             if not torch.equal(summed, res + want):
                 return f"call {call}: the folded sums differ from NCCL's"
         if fold.failed():
-            return f"a norm gave up waiting for the flag at {fold.failed()}"
+            return f"a norm gave up waiting for the words tagged {fold.failed()}"
         return None
