@@ -541,8 +541,8 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
     ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's dtype in
     every variant. ``heads`` (query, KV heads) and ``page`` (tokens): the splits and per-sm
     sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for Llama-3-8B); splits times
-    the heuristic's own choice too (variant "heuristic"). Variants that lost (K/V load hints, loop variants, the combine kernel):
-    docs/benchmarks/kernels-notes.md.
+    the heuristic's own choice too (variant "heuristic"). Variants that lost (K/V load hints,
+    loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
 
@@ -680,8 +680,11 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--prefill", default="4096,16384")
     ap.add_argument("--points", help="decode sweep points, e.g. 1x4096,32x131072")
-    ap.add_argument("--heads", default=f"{HQ}/{HKV}",
-                    help="query/KV heads of the splits and per-sm sweeps, e.g. 16/4")
+    ap.add_argument(
+        "--heads",
+        default=f"{HQ}/{HKV}",
+        help="query/KV heads of the splits and per-sm sweeps, e.g. 16/4",
+    )
     ap.add_argument("--page", type=int, default=16, help="page of the splits and per-sm sweeps")
     ap.add_argument("--window", type=int, help="time sliding windows of this many tokens "
                     "instead (decode per --batches, prefill per --window-chunks)")  # fmt: skip

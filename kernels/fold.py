@@ -191,6 +191,8 @@ def fold_recv(Recv, stride_recv, offs, mask, Calls, Status, spin_limit, DTYPE: t
     if missing > 0:
         tl.store(Status, tag)
     low = (words & 0xFFFFFFFF).to(tl.int32)
-    if DTYPE == tl.float32:
-        return low.to(tl.float32, bitcast=True)
-    return low.to(tl.int16).to(DTYPE, bitcast=True)
+    if DTYPE == tl.float32:  # (one return: the compiler would build both)
+        values = low.to(tl.float32, bitcast=True)
+    else:
+        values = low.to(tl.int16).to(DTYPE, bitcast=True)
+    return values

@@ -52,8 +52,8 @@ then activation kernel (``python -m kernels.bench_gemv --gated``), us: Gemma-3-1
 Tensor parallelism on two ranks (``FOLD``, ``linear_small_m(fold=...)``): a row-parallel layer's
 output is also stored into the other rank's symmetric-memory slot of this call, each value
 in an 8-byte word with the call's tag (``kernels.fold``), where the norm after it waits for
-them: the all-reduce without a collective, a fence or a flag. The K loop is untouched (sm_90 compile reports:
-the same SASS per weight byte within 1%, tests/test_tp_fold_compile.py).
+them: the all-reduce without a collective, a fence or a flag. The K loop is untouched (sm_90
+compile reports: the same SASS per weight byte within 1%, tests/test_tp_fold_compile.py).
 
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
 counters live in a per-device buffer that every launch leaves zeroed (the summing program resets

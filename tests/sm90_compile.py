@@ -523,6 +523,7 @@ FOLD_VARIANTS = {
     "fold-gemv-fp8-channel-m1": lambda: _F("fp8e4nv", tile=_FP8_NARROW, w_scale=1),
     "fold-norm-bf16": lambda: norm_summary(fold=True),
     "fold-norm-post-bf16": lambda: norm_summary(h=3840, fold=True, post=True),
+    "fold-norm-fp32": lambda: norm_summary(dt="fp32", h=256, fold=True),  # the start-up check's
     "norm-bf16": lambda: norm_summary(),
     "norm-post-bf16": lambda: norm_summary(h=3840, post=True),
 }  # fmt: skip

@@ -50,8 +50,9 @@ def test_tuning_sweeps_time_every_variant(tmp_path, kv):
     assert all(r["us"] and r["us"] > 0 for r in res), [r for r in res if not r["us"]]
 
 
-def test_splits_sweep_times_the_heuristic_beside_each_count_at_the_heads_given(tmp_path,
-                                                                                 monkeypatch):
+def test_splits_sweep_times_the_heuristic_beside_each_count_at_the_heads_given(
+    tmp_path, monkeypatch
+):
     """``--sweep splits --heads 4/2 --page 32``: every split count that fits beside the
     heuristic's own choice, each call on a cache of the heads and page asked for."""
     from kernels import bench
