@@ -516,8 +516,11 @@ GLUON_CONFIGS = {  # head dim: [GluonConfig], the default first (sm90_compile: n
     64: [G(128, 4), G(64, 4), G(128, 4, pingpong=False), G(128, 2)],
     256: [G(64, 2), G(64, 2, pingpong=False), G(32, 4)],
 }  # fmt: skip
-SWEEPS = ("decode-config", "per-sm", "pdl", "layout", "splits", "page", "prefill", "hopper",
-          "gluon")  # fmt: skip
+SWEEPS = ("decode-config", "per-sm", "pdl", "layout", "splits", "stages", "page", "prefill",
+          "hopper", "gluon")  # fmt: skip
+# stages: DecodeTuning.short_split_tokens, the longest split that runs a pipeline stage fewer
+# (stages_for; 0: none does)
+SHORT_SPLIT_CHOICES = (0, 1024, 4096)
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -539,9 +542,11 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
     (variant "portable"); gluon: the Gluon kernel's ``GluonConfig`` values (``GLUON_CONFIGS``,
     as tuples) at the same points, the Hopper path's default beside them (variant "hopper").
     ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's dtype in
-    every variant. ``heads`` (query, KV heads) and ``page`` (tokens): the splits and per-sm
-    sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for Llama-3-8B); splits times
-    the heuristic's own choice too (variant "heuristic"). Variants that lost (K/V load hints,
+    every variant. ``heads`` (query, KV heads) and ``page`` (tokens): the splits, stages and
+    per-sm sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for Llama-3-8B); splits
+    times the heuristic's own choice too (variant "heuristic"); stages: the heuristic's splits
+    with ``DecodeTuning.short_split_tokens`` at each of ``SHORT_SPLIT_CHOICES`` (the longest
+    split that runs a pipeline stage fewer). Variants that lost (K/V load hints,
     loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
@@ -596,6 +601,12 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
                 if sp * 64 <= ctx and bsz * heads[1] * sp <= 3 * 132 * 2:
                     rec("splits", bsz, ctx, sp,
                         attempt(time_ours, bsz, ctx, num_splits=sp, **hw))  # fmt: skip
+    if "stages" in which:  # the heuristic's splits, a stage fewer for splits up to t tokens
+        hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page}
+        for bsz, ctx in pts:
+            for t in SHORT_SPLIT_CHOICES:
+                tuning = DecodeTuning(short_split_tokens=t)
+                rec("stages", bsz, ctx, t, attempt(time_ours, bsz, ctx, tuning=tuning, **hw))
     if "page" in which:
         for bsz, ctx in pts:
             for page in (16, 64, 256):
@@ -683,9 +694,10 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--heads",
         default=f"{HQ}/{HKV}",
-        help="query/KV heads of the splits and per-sm sweeps, e.g. 16/4",
+        help="query/KV heads of the splits, stages and per-sm sweeps, e.g. 16/4",
     )
-    ap.add_argument("--page", type=int, default=16, help="page of the splits and per-sm sweeps")
+    ap.add_argument("--page", type=int, default=16,
+                    help="page of the splits, stages and per-sm sweeps")  # fmt: skip
     ap.add_argument("--window", type=int, help="time sliding windows of this many tokens "
                     "instead (decode per --batches, prefill per --window-chunks)")  # fmt: skip
     ap.add_argument("--window-context", type=int, default=131072)

@@ -75,6 +75,28 @@ def test_splits_sweep_times_the_heuristic_beside_each_count_at_the_heads_given(
     assert set(seen) == {(4, 2, 32)} and len(seen) == len(want)
 
 
+def test_stages_sweep_times_each_short_split_rule_at_the_heads_given(tmp_path, monkeypatch):
+    """``--sweep stages``: the heuristic's splits under each ``short_split_tokens`` of
+    ``SHORT_SPLIT_CHOICES``, as a DecodeTuning value, on the heads and page asked for."""
+    from kernels import bench
+
+    seen = []
+    real = bench.time_ours
+
+    def spy(*args, **kw):
+        seen.append((kw["tuning"].short_split_tokens, kw.get("hq"), kw.get("hkv"), kw["page"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench, "time_ours", spy)
+    out = tmp_path / "stages.json"
+    bench.main(["--sweep", "stages", "--heads", "4/2", "--page", "32", "--points", "1x256",
+                "--json", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())["sweep"]
+    assert [r["variant"] for r in res] == list(bench.SHORT_SPLIT_CHOICES)
+    assert all(r["us"] and r["us"] > 0 for r in res)
+    assert seen == [(t, 4, 2, 32) for t in bench.SHORT_SPLIT_CHOICES]
+
+
 def test_window_target_times_three_variants_per_point(tmp_path, capsys):
     """``--window``: decode per batch and prefill per chunk, each the global kernel and the
     windowed one at a context of W and the windowed one at the long context, with the ratios

@@ -3,7 +3,8 @@
 # (Llama at 4K with fp8 weights and KV against bf16) and, with two GPUs, issue 18 (rank 0 of
 # TP=2 with NCCL, the one-shot all-reduce and the folded one, against TP=1, at 32K). Each
 # runs without the PDL chain too: in the chain a kernel's span includes its wait for the one
-# before (kernels-notes.md, round 3), without it each span is its own.
+# before (kernels-notes.md, round 3), without it each span is its own. Each point leaves a
+# table of ops, one of kernels by name and grid (`*-launches.txt`) and a Chrome trace.
 #   run: [WHAT="archs fp8 tp"] bash docs/benchmarks/device/profile.sh     carry: [".whl"]
 LIMIT=${LIMIT:-575}
 source docs/benchmarks/device/setup.sh

@@ -1,0 +1,24 @@
+# Issue 18's gap to 1.7x on two GPUs (nvidia-h200-x2 / nvidia-h100-x2), one call: what the
+# decode kernel's stage rule (`DecodeTuning.short_split_tokens`) costs at 128-token pages, for
+# a TP=2 rank's heads (16/4, GPU 0) and for TP=1's (32/8, GPU 1; 128- and 16-token pages),
+# both GPUs at once; then the step kernel by kernel at 32K and 128K (launch tables: each
+# kernel alone, no PDL chain) on one GPU and on two with `--tp-all-reduce fused` (the engine's
+# decode kernel at TP=2 / 128K took 74.4 us a layer where the same kernel alone took 67.2).
+#   run: bash docs/benchmarks/device/tp_gap.sh     carry: [".whl"]
+LIMIT=${LIMIT:-570}
+source docs/benchmarks/device/setup.sh
+K="python3 -m kernels.bench --sweep stages"
+P="1x4096,1x16384,1x32768,1x131072,8x4096,8x16384"
+CUDA_VISIBLE_DEVICES=0 step stages_16_4 200 $K,splits --page 128 --heads 16/4 \
+  --points 1x32768,1x131072 --json "$OUT/stages-16-4.json" &
+CUDA_VISIBLE_DEVICES=1 step stages_32_8 200 bash -c "$K --page 128 --points $P \
+  --json $OUT/stages-32-8-p128.json && $K --page 16 --points $P --json $OUT/stages-32-8-p16.json" &
+wait
+B="python3 -m flashserve bench decode --batch 1 --steps 16 --no-peer --no-progress"
+T="--model dummy:llama3.1-8b --context 32768,131072 --no-pdl-chain"
+step tp2_fused_prof 110 $B $T --tensor-parallel-size 2 --tp-all-reduce fused --profile "$OUT/tp2f"
+step tp1_prof 90 $B $T --profile "$OUT/tp1"
+grep -h "^stages\|^splits" "$OUT"/stages_*.log
+for f in "$OUT"/*/*-launches.txt; do echo "== $f"; head -10 "$f" | cut -c1-120; done
+find "$OUT" -mindepth 2 -name '*.json' -delete
+pack
