@@ -50,51 +50,39 @@ def test_tuning_sweeps_time_every_variant(tmp_path, kv):
     assert all(r["us"] and r["us"] > 0 for r in res), [r for r in res if not r["us"]]
 
 
-def test_splits_sweep_times_the_heuristic_beside_each_count_at_the_heads_given(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("which", ["splits", "stages"])
+def test_split_and_stage_sweeps_time_their_variants_at_the_heads_and_page_given(
+    tmp_path, monkeypatch, which
 ):
-    """``--sweep splits --heads 4/2 --page 32``: every split count that fits beside the
-    heuristic's own choice, each call on a cache of the heads and page asked for."""
+    """``--sweep splits|stages --heads 4/2 --page 32``: splits times the heuristic's choice and
+    every split count that fits; stages the heuristic's splits under each
+    ``short_split_tokens`` of ``SHORT_SPLIT_CHOICES`` (a DecodeTuning value); every call on a
+    cache of the heads and page asked for."""
     from kernels import bench
 
     seen = []
     real = bench.time_ours
 
     def spy(*args, **kw):
-        seen.append((kw.get("hq"), kw.get("hkv"), kw.get("page")))
+        tuning = kw.get("tuning")
+        short = tuning.short_split_tokens if tuning else None
+        seen.append((kw.get("num_splits"), short, kw.get("hq"), kw.get("hkv"), kw.get("page")))
         return real(*args, **kw)
 
     monkeypatch.setattr(bench, "time_ours", spy)
-    out = tmp_path / "splits.json"
-    bench.main(["--sweep", "splits", "--heads", "4/2", "--page", "32", "--points", "1x256",
+    out = tmp_path / "sweep.json"
+    bench.main(["--sweep", which, "--heads", "4/2", "--page", "32", "--points", "1x256",
                 "--json", str(out)])  # fmt: skip
     res = json.loads(out.read_text())["sweep"]
-    want = ["heuristic"] + [sp for sp in bench.SPLIT_CHOICES if sp * 64 <= 256]
+    if which == "splits":
+        want = ["heuristic"] + [sp for sp in bench.SPLIT_CHOICES if sp * 64 <= 256]
+        calls = [(None if v == "heuristic" else v, None, 4, 2, 32) for v in want]
+    else:
+        want = list(bench.SHORT_SPLIT_CHOICES)
+        calls = [(None, t, 4, 2, 32) for t in want]
     assert [r["variant"] for r in res] == want
     assert all(r["us"] and r["us"] > 0 for r in res)
-    assert set(seen) == {(4, 2, 32)} and len(seen) == len(want)
-
-
-def test_stages_sweep_times_each_short_split_rule_at_the_heads_given(tmp_path, monkeypatch):
-    """``--sweep stages``: the heuristic's splits under each ``short_split_tokens`` of
-    ``SHORT_SPLIT_CHOICES``, as a DecodeTuning value, on the heads and page asked for."""
-    from kernels import bench
-
-    seen = []
-    real = bench.time_ours
-
-    def spy(*args, **kw):
-        seen.append((kw["tuning"].short_split_tokens, kw.get("hq"), kw.get("hkv"), kw["page"]))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(bench, "time_ours", spy)
-    out = tmp_path / "stages.json"
-    bench.main(["--sweep", "stages", "--heads", "4/2", "--page", "32", "--points", "1x256",
-                "--json", str(out)])  # fmt: skip
-    res = json.loads(out.read_text())["sweep"]
-    assert [r["variant"] for r in res] == list(bench.SHORT_SPLIT_CHOICES)
-    assert all(r["us"] and r["us"] > 0 for r in res)
-    assert seen == [(t, 4, 2, 32) for t in bench.SHORT_SPLIT_CHOICES]
+    assert seen == calls
 
 
 def test_window_target_times_three_variants_per_point(tmp_path, capsys):
