@@ -3,7 +3,8 @@
 # a TP=2 rank's heads (16/4, GPU 0) and for TP=1's (32/8, GPU 1; 128- and 16-token pages),
 # both GPUs at once; then the step kernel by kernel at 32K and 128K (launch tables: each
 # kernel alone, no PDL chain) on one GPU and on two with `--tp-all-reduce fused` (the engine's
-# decode kernel at TP=2 / 128K took 74.4 us a layer where the same kernel alone took 67.2).
+# decode kernel at TP=2 / 128K took 74.4 us a layer where the same kernel alone took 67.2;
+# once more with a small KV pool, to see whether the pool's size is why).
 #   run: bash docs/benchmarks/device/tp_gap.sh     carry: [".whl"]
 LIMIT=${LIMIT:-570}
 source docs/benchmarks/device/setup.sh
@@ -18,6 +19,10 @@ B="python3 -m flashserve bench decode --batch 1 --steps 16 --no-peer --no-progre
 T="--model dummy:llama3.1-8b --context 32768,131072 --no-pdl-chain"
 step tp2_fused_prof 110 $B $T --tensor-parallel-size 2 --tp-all-reduce fused --profile "$OUT/tp2f"
 step tp1_prof 90 $B $T --profile "$OUT/tp1"
+# is it the pool's size (pages spread over ~2 GB a layer: address translation)? the same at
+# 128K alone with a pool of 256K tokens a rank
+step tp2_small_pool 90 $B --model dummy:llama3.1-8b --context 131072 --no-pdl-chain \
+  --tensor-parallel-size 2 --tp-all-reduce fused --max-kv-tokens 262144 --profile "$OUT/tp2s"
 grep -h "^stages\|^splits" "$OUT"/stages_*.log
 for f in "$OUT"/*/*-launches.txt; do echo "== $f"; head -10 "$f" | cut -c1-120; done
 find "$OUT" -mindepth 2 -name '*.json' -delete
