@@ -553,6 +553,7 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
 
     res = []
     pts = points or (SWEEP_POINTS if not SMOKE else [(1, 256)])
+    hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page}  # splits, stages, per-sm
 
     def rec(kind, bsz, ctx, variant, us, **extra):
         res.append({"sweep": kind, "batch": bsz, "context": ctx, "variant": variant, "us": us,
@@ -572,8 +573,7 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
                 for per_sm in PER_SM_CHOICES:
                     tuning = DecodeTuning(tiles=cfg, programs_per_sm=per_sm)
                     rec("per-sm", bsz, ctx, f"{cfg} x{per_sm}",
-                        attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv, hq=heads[0],
-                                hkv=heads[1], page=page))  # fmt: skip
+                        attempt(time_ours, bsz, ctx, tuning=tuning, **hw))  # fmt: skip
     if "pdl" in which:
         for bsz, ctx in pts:
             for name, tuning in (("none", DecodeTuning(pdl=False)), ("pdl", DecodeTuning())):
@@ -594,7 +594,6 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
                 rec("layout", bsz, ctx, name,
                     attempt(time_ours, bsz * factor, ctx, kv=kv, **kw))  # fmt: skip
     if "splits" in which:
-        hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page}
         for bsz, ctx in pts:
             rec("splits", bsz, ctx, "heuristic", attempt(time_ours, bsz, ctx, **hw))
             for sp in SPLIT_CHOICES:
@@ -602,7 +601,6 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
                     rec("splits", bsz, ctx, sp,
                         attempt(time_ours, bsz, ctx, num_splits=sp, **hw))  # fmt: skip
     if "stages" in which:  # the heuristic's splits, a stage fewer for splits up to t tokens
-        hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page}
         for bsz, ctx in pts:
             for t in SHORT_SPLIT_CHOICES:
                 tuning = DecodeTuning(short_split_tokens=t)

@@ -131,19 +131,6 @@ def call_tag(calls: int) -> int:
     return calls // UNIT % TAG_MOD + 1
 
 
-def words_values(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of int64 words (their low 32 bits) as ``dtype``: for tests and checks."""
-    low = (words & 0xFFFFFFFF).to(torch.int64)
-    if dtype == torch.float32:
-        return low.to(torch.int32).view(torch.float32)
-    return low.to(torch.int16).view(dtype)
-
-
-def words_tags(words: torch.Tensor) -> torch.Tensor:
-    """The tags of int64 words (their high 32 bits)."""
-    return words >> 32
-
-
 @triton.jit
 def _contribution(n):
     """This program's share of ``UNIT`` among the ``n`` programs of its grid: 1 each, the
@@ -154,11 +141,17 @@ def _contribution(n):
 
 
 @triton.jit
-def fold_call(Calls):
-    """The GEMV's call ``k`` from the rank's counter (read past L1: the previous norm advanced
-    it with atomics): its slot ``k % 2`` and its words' tag."""
-    k = tl.load(Calls, cache_modifier=".cg") // _UNIT
+def _slot_and_tag(calls):
+    """Call ``k = calls // UNIT``'s slot ``k % 2`` and its words' tag (``call_tag``)."""
+    k = calls // _UNIT
     return k % 2, k % _TAG_MOD + 1
+
+
+@triton.jit
+def fold_call(Calls):
+    """The GEMV's call from the rank's counter (read past L1: the previous norm advanced it
+    with atomics): its slot and its words' tag."""
+    return _slot_and_tag(tl.load(Calls, cache_modifier=".cg"))
 
 
 @triton.jit
@@ -178,9 +171,8 @@ def fold_recv(Recv, stride_recv, offs, mask, Calls, Status, spin_limit, DTYPE: t
     offs`` until every one under ``mask`` carries the tag of ``k``, or ``spin_limit`` reads
     (then ``status`` gets the tag); the values, in ``DTYPE``."""
     n = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    k = tl.atomic_add(Calls, _contribution(n), sem="relaxed", scope="gpu") // _UNIT
-    tag = k % _TAG_MOD + 1
-    ptrs = Recv + (k % 2) * stride_recv + offs
+    slot, tag = _slot_and_tag(tl.atomic_add(Calls, _contribution(n), sem="relaxed", scope="gpu"))
+    ptrs = Recv + slot * stride_recv + offs
     words = tl.load(ptrs, mask=mask, other=0, volatile=True)
     missing = tl.sum((((words >> 32) != tag) & mask).to(tl.int32), axis=0)
     spins = tl.cast(0, tl.int64)

@@ -245,7 +245,7 @@ def _linear_kernel(
     LIBDEVICE: tl.constexpr = False,  # GELU's tanh from libdevice (CUDA), else made of exp
     Send=None,  # [2, R, N] int64 words, the peer's slots (FOLD: kernels.fold)
     Calls=None,  # [1] int64, this rank's folded calls (FOLD)
-    stride_send=0,  # elements of one slot of Send (FOLD)
+    stride_send=0,  # words of one slot of Send (FOLD)
     FOLD: tl.constexpr = False,  # the output to the peer's slot too, as tagged words
 ):
     pdl_enter(CHAIN)

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable on this 
 
 from tensor_checks import assert_close  # noqa: E402
 
-from kernels.fold import UNIT, AllReduceFold, call_tag, words_tags, words_values  # noqa: E402
+from kernels.fold import UNIT, AllReduceFold, call_tag  # noqa: E402
 from kernels.gemv import linear_small_m  # noqa: E402
 from kernels.norm import add_rms_norm, norm_add_norm  # noqa: E402
 from kernels.quant import quantize_per_channel  # noqa: E402
@@ -34,6 +34,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 EPS = 1e-6
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def words_values(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of int64 words (their low 32 bits) as ``dtype``."""
+    low = (words & 0xFFFFFFFF).to(torch.int64)
+    if dtype == torch.float32:
+        return low.to(torch.int32).view(torch.float32)
+    return low.to(torch.int16).view(dtype)
+
+
+def words_tags(words: torch.Tensor) -> torch.Tensor:
+    """The tags of int64 words (their high 32 bits)."""
+    return words >> 32
 
 
 def fold_pair(rows: int, hidden: int, dtype: torch.dtype, spin_limit: int = 1 << 20):
