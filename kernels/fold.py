@@ -141,17 +141,11 @@ def _contribution(n):
 
 
 @triton.jit
-def _slot_and_tag(calls):
-    """Call ``k = calls // UNIT``'s slot ``k % 2`` and its words' tag (``call_tag``)."""
-    k = calls // _UNIT
-    return k % 2, k % _TAG_MOD + 1
-
-
-@triton.jit
 def fold_call(Calls):
-    """The GEMV's call from the rank's counter (read past L1: the previous norm advanced it
-    with atomics): its slot and its words' tag."""
-    return _slot_and_tag(tl.load(Calls, cache_modifier=".cg"))
+    """The GEMV's call ``k`` from the rank's counter (read past L1: the previous norm advanced
+    it with atomics): its slot ``k % 2`` and its words' tag."""
+    k = tl.load(Calls, cache_modifier=".cg") // _UNIT
+    return k % 2, k % _TAG_MOD + 1
 
 
 @triton.jit
@@ -171,8 +165,9 @@ def fold_recv(Recv, stride_recv, offs, mask, Calls, Status, spin_limit, DTYPE: t
     offs`` until every one under ``mask`` carries the tag of ``k``, or ``spin_limit`` reads
     (then ``status`` gets the tag); the values, in ``DTYPE``."""
     n = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    slot, tag = _slot_and_tag(tl.atomic_add(Calls, _contribution(n), sem="relaxed", scope="gpu"))
-    ptrs = Recv + slot * stride_recv + offs
+    k = tl.atomic_add(Calls, _contribution(n), sem="relaxed", scope="gpu") // _UNIT
+    tag = k % _TAG_MOD + 1
+    ptrs = Recv + (k % 2) * stride_recv + offs
     words = tl.load(ptrs, mask=mask, other=0, volatile=True)
     missing = tl.sum((((words >> 32) != tag) & mask).to(tl.int32), axis=0)
     spins = tl.cast(0, tl.int64)
