@@ -524,7 +524,8 @@ SHORT_SPLIT_CHOICES = (0, 1024, 4096)
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) -> list[dict]:
+def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16,
+          shuffle=True) -> list[dict]:  # fmt: skip
     """Tuning variants, one record each: {"sweep", "batch", "context", "variant", "us"}.
 
     Decode variants are ``DecodeTuning`` values or call arguments, never module state.
@@ -543,7 +544,9 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
     as tuples) at the same points, the Hopper path's default beside them (variant "hopper").
     ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's dtype in
     every variant. ``heads`` (query, KV heads) and ``page`` (tokens): the splits, stages and
-    per-sm sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for Llama-3-8B); splits
+    per-sm sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for Llama-3-8B), and
+    ``shuffle`` their pages' order (False: in order, as the engine's block manager hands out a
+    fresh pool's blocks); splits
     times the heuristic's own choice too (variant "heuristic"); stages: the heuristic's splits
     with ``DecodeTuning.short_split_tokens`` at each of ``SHORT_SPLIT_CHOICES`` (the longest
     split that runs a pipeline stage fewer). Variants that lost (K/V load hints,
@@ -553,7 +556,8 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16) ->
 
     res = []
     pts = points or (SWEEP_POINTS if not SMOKE else [(1, 256)])
-    hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page}  # splits, stages, per-sm
+    # splits, stages, per-sm
+    hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page, "shuffle": shuffle}
 
     def rec(kind, bsz, ctx, variant, us, **extra):
         res.append({"sweep": kind, "batch": bsz, "context": ctx, "variant": variant, "us": us,
@@ -696,6 +700,8 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--page", type=int, default=16,
                     help="page of the splits, stages and per-sm sweeps")  # fmt: skip
+    ap.add_argument("--in-order", action="store_true",
+                    help="the splits, stages and per-sm sweeps' pages in order, not shuffled")
     ap.add_argument("--window", type=int, help="time sliding windows of this many tokens "
                     "instead (decode per --batches, prefill per --window-chunks)")  # fmt: skip
     ap.add_argument("--window-context", type=int, default=131072)
@@ -738,7 +744,8 @@ def main(argv=None) -> None:
             else None
         )
         heads = tuple(int(x) for x in args.heads.split("/"))
-        result["sweep"] = sweep(args.sweep.split(","), pts, args.kv_dtype, heads, args.page)
+        result["sweep"] = sweep(args.sweep.split(","), pts, args.kv_dtype, heads, args.page,
+                                not args.in_order)  # fmt: skip
     elif args.window is not None:
         heads = [tuple(int(x) for x in h.split("/")) for h in args.window_heads.split(",")]
         result["window"] = window_table(
