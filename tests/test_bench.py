@@ -708,9 +708,11 @@ def test_launch_table_groups_kernels_by_name_and_grid():
     lines = launch_table({"traceEvents": events}, steps=2).splitlines()
     rows = {ln.split("]")[0].split("[")[1]: ln.split("]")[1].split() for ln in lines[1:]}
     assert set(rows) == {"768, 1, 1", "3584, 1, 1"}
-    calls, mean, per_step, share = map(float, rows["768, 1, 1"])
+    calls, mean, fastest, median, per_step, share = map(float, rows["768, 1, 1"])
     assert (calls, per_step) == (2.0, round(sum(a) / 2, 1))
     assert abs(mean - sum(a) / 4) < 0.01
+    assert abs(fastest - min(a)) < 0.01
+    assert abs(median - sorted(a)[1] / 2 - sorted(a)[2] / 2) < 0.01
     assert abs(share - 100 * sum(a) / (sum(a) + sum(b))) < 0.1
     first = lines[1].split("]")[0]  # most total time first
     assert first.endswith("768, 1, 1" if sum(a) > sum(b) else "3584, 1, 1")

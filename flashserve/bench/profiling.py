@@ -10,6 +10,7 @@ different shapes (a model's four GEMVs) apart, with their calls a step and mean 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -62,8 +63,9 @@ def profile_steps(engine, device: torch.device, out_dir: str, name: str) -> dict
 
 def launch_table(trace: dict, steps: int) -> str:
     """The GPU kernels of a Chrome trace (``torch.profiler``'s export) grouped by name and grid,
-    most total time first: calls per step, mean and total µs per step, share of the kernels'
-    time. Kernels under the PDL chain span their wait for the kernel before them too."""
+    most total time first: calls per step, mean, fastest and median µs a call, total µs per
+    step, share of the kernels' time. Kernels under the PDL chain span their wait for the
+    kernel before them too."""
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     for ev in trace.get("traceEvents", []):
         if ev.get("cat") != "kernel" or "dur" not in ev:
@@ -73,9 +75,10 @@ def launch_table(trace: dict, steps: int) -> str:
     total = sum(sum(d) for d in groups.values()) or 1.0
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
     lines = [f"{'kernel':60s} {'grid':>18s} {'calls/step':>10s} {'mean us':>8s} "
-             f"{'us/step':>8s} {'%':>5s}"]  # fmt: skip
+             f"{'min us':>8s} {'median':>8s} {'us/step':>8s} {'%':>5s}"]  # fmt: skip
     for (name, grid), durs in rows:
         lines.append(f"{name:60s} {grid:>18s} {len(durs) / steps:10.1f} "
-                     f"{sum(durs) / len(durs):8.2f} {sum(durs) / steps:8.1f} "
+                     f"{sum(durs) / len(durs):8.2f} {min(durs):8.2f} "
+                     f"{statistics.median(durs):8.2f} {sum(durs) / steps:8.1f} "
                      f"{100 * sum(durs) / total:5.1f}")  # fmt: skip
     return "\n".join(lines) + "\n"
