@@ -518,9 +518,9 @@ GLUON_CONFIGS = {  # head dim: [GluonConfig], the default first (sm90_compile: n
 }  # fmt: skip
 SWEEPS = ("decode-config", "per-sm", "pdl", "layout", "splits", "stages", "page", "prefill",
           "hopper", "gluon")  # fmt: skip
-# stages: DecodeTuning.short_split_tokens, the longest split that runs a pipeline stage fewer
-# (stages_for; 0: none does)
-SHORT_SPLIT_CHOICES = (0, 1024, 4096)
+# stages: DecodeTuning.fewer_stages_tokens, the shortest split that runs a pipeline stage fewer
+# (stages_for): 0 none does, 1 every split, and the default's 2,048
+FEWER_STAGES_CHOICES = (0, 1, 2048)
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -548,8 +548,8 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16,
     ``shuffle`` their pages' order (False: in order, as the engine's block manager hands out a
     fresh pool's blocks); splits
     times the heuristic's own choice too (variant "heuristic"); stages: the heuristic's splits
-    with ``DecodeTuning.short_split_tokens`` at each of ``SHORT_SPLIT_CHOICES`` (the longest
-    split that runs a pipeline stage fewer). Variants that lost (K/V load hints,
+    with ``DecodeTuning.fewer_stages_tokens`` at each of ``FEWER_STAGES_CHOICES`` (the
+    shortest split that runs a pipeline stage fewer). Variants that lost (K/V load hints,
     loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
     """
     from kernels.decode import DecodeTuning
@@ -606,8 +606,8 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16,
                         attempt(time_ours, bsz, ctx, num_splits=sp, **hw))  # fmt: skip
     if "stages" in which:  # the heuristic's splits, a stage fewer for splits up to t tokens
         for bsz, ctx in pts:
-            for t in SHORT_SPLIT_CHOICES:
-                tuning = DecodeTuning(short_split_tokens=t)
+            for t in FEWER_STAGES_CHOICES:
+                tuning = DecodeTuning(fewer_stages_tokens=t)
                 rec("stages", bsz, ctx, t, attempt(time_ours, bsz, ctx, tuning=tuning, **hw))
     if "page" in which:
         for bsz, ctx in pts:

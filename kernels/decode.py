@@ -467,7 +467,7 @@ class DecodeTuning:
     ValueError on construction for values the kernel cannot run."""
 
     # Stage 1's (BLOCK_N, num_warps, num_stages) for every call; None: decode_config's rule,
-    # with stages_for taking one stage off short splits.
+    # with stages_for taking one stage off long splits.
     tiles: tuple[int, int, int] | None = None
     # decode_config's tiles for head dims over 128 (Gemma 2/3: 256), never given a stage
     # fewer by stages_for. H100, B=1, 16/8 heads of 256, µs (kernels-notes.md, 2026-11-24):
@@ -500,8 +500,14 @@ class DecodeTuning:
     # 16/8 heads of 256: 64-token splits 9.0 µs, 128 10.4, 256 12.0; global 4K and 32K level
     # (17.4 / 95.7-96.0 at 64, 128 and 256).
     wide_min_split_tokens: int = 64
-    # stages_for: splits up to this many tokens run with one pipeline stage fewer.
-    short_split_tokens: int = 4096
+    # stages_for: splits of at least this many tokens run one pipeline stage fewer; 0: none.
+    # H200, 128-token pages, graph replay, µs at (64, 4, 4) / (64, 4, 3) (`kernels.bench
+    # --sweep stages,splits --page 128`, docs/benchmarks/decode.md, 2026-11-27): 16/4 heads
+    # (a TP=2 rank of Llama-3-8B) 1x32K (512-token splits) 22.0 / 22.9-24.0, 1x128K (2,048)
+    # 66.7-67.6 / 65.5-65.9; 32/8 1x4K (128) 9.5 / 10.1, 8x4K (1,024) 36.9 / 38.6, 1x32K
+    # (1,024) 36.7 / 36.5, 1x128K (4,096) 125.1 / 124.1. It was the other way round (a stage
+    # fewer up to 4,096 tokens, measured on an older kernel at 16-token pages).
+    fewer_stages_tokens: int = 2048
     max_splits: int = 256  # the heuristic's cap on splits per sequence
     # Tokens of each split prefetched into L2 before the in-kernel wait of a chained launch
     # (``_prefetch_split``), rounded up to whole tiles; 0: none. H200, bench decode batch 1, ms
@@ -530,9 +536,9 @@ class DecodeTuning:
         if self.prefetch_tokens < 0:
             raise ValueError(f"DecodeTuning.prefetch_tokens must be >= 0, "
                              f"got {self.prefetch_tokens}")  # fmt: skip
-        if self.short_split_tokens < 0:
-            raise ValueError(f"DecodeTuning.short_split_tokens must be >= 0, "
-                             f"got {self.short_split_tokens}")  # fmt: skip
+        if self.fewer_stages_tokens < 0:
+            raise ValueError(f"DecodeTuning.fewer_stages_tokens must be >= 0, "
+                             f"got {self.fewer_stages_tokens}")  # fmt: skip
 
 
 def _check_tiles(tiles: tuple, field: str = "tiles") -> None:
@@ -591,13 +597,13 @@ def decode_config(
 def stages_for(
     config: tuple[int, int, int], split_tokens: int, tuning: DecodeTuning = DEFAULT_DECODE_TUNING
 ) -> tuple[int, int, int]:
-    """One stage fewer (2 K/V tiles in flight) for splits of at most
-    ``tuning.short_split_tokens``: the pipeline fills sooner. The result is the same at any
-    stage count. (64, 4, 3) vs (64, 4, 4), medians of 5 interleaved runs: 1x4K 11.8 / 11.9 µs,
-    1x16K 29.7 / 30.0, 1x64K 95.5 / 97.3, 8x4K 51.8 / 52.8; splits of 16K-32K tokens: 0.3-1%
-    slower."""
+    """One stage fewer (num_stages - 2 K/V tiles in flight) for splits of at least
+    ``tuning.fewer_stages_tokens`` (none when 0): level or 1-2% faster there, where short
+    splits lose 4-8% with it (the measurements at ``DecodeTuning.fewer_stages_tokens``). The
+    result is the same at any stage count."""
     block_n, warps, stages = config
-    return (block_n, warps, stages - 1) if split_tokens <= tuning.short_split_tokens else config
+    fewer = 0 < tuning.fewer_stages_tokens <= split_tokens
+    return (block_n, warps, stages - 1) if fewer else config
 
 
 def fit_smem(

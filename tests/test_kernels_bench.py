@@ -56,7 +56,7 @@ def test_split_and_stage_sweeps_time_their_variants_at_the_heads_and_page_given(
 ):
     """``--sweep splits|stages --heads 4/2 --page 32``: splits times the heuristic's choice and
     every split count that fits; stages the heuristic's splits under each
-    ``short_split_tokens`` of ``SHORT_SPLIT_CHOICES`` (a DecodeTuning value); every call on a
+    ``fewer_stages_tokens`` of ``FEWER_STAGES_CHOICES`` (a DecodeTuning value); every call on a
     cache of the heads and page asked for."""
     from kernels import bench
 
@@ -65,7 +65,7 @@ def test_split_and_stage_sweeps_time_their_variants_at_the_heads_and_page_given(
 
     def spy(*args, **kw):
         tuning = kw.get("tuning")
-        short = tuning.short_split_tokens if tuning else None
+        short = tuning.fewer_stages_tokens if tuning else None
         seen.append((kw.get("num_splits"), short, kw.get("hq"), kw.get("hkv"), kw.get("page")))
         return real(*args, **kw)
 
@@ -78,7 +78,7 @@ def test_split_and_stage_sweeps_time_their_variants_at_the_heads_and_page_given(
         want = ["heuristic"] + [sp for sp in bench.SPLIT_CHOICES if sp * 64 <= 256]
         calls = [(None if v == "heuristic" else v, None, 4, 2, 32) for v in want]
     else:
-        want = list(bench.SHORT_SPLIT_CHOICES)
+        want = list(bench.FEWER_STAGES_CHOICES)
         calls = [(None, t, 4, 2, 32) for t in want]
     assert [r["variant"] for r in res] == want
     assert all(r["us"] and r["us"] > 0 for r in res)

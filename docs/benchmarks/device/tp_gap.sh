@@ -1,6 +1,6 @@
 # Issue 18's gap to 1.7x on two GPUs (nvidia-h200-x2 / nvidia-h100-x2), one call: what the
-# decode kernel's stage rule (`DecodeTuning.short_split_tokens`) costs at 128-token pages, for
-# a TP=2 rank's heads (16/4, GPU 0) and for TP=1's (32/8, GPU 1; 128- and 16-token pages),
+# decode kernel's stage rule (then `DecodeTuning.short_split_tokens`) costs at 128-token pages,
+# for a TP=2 rank's heads (16/4, GPU 0) and for TP=1's (32/8, GPU 1; 128- and 16-token pages),
 # both GPUs at once; then the step kernel by kernel at 32K and 128K (launch tables: each
 # kernel alone, no PDL chain) on one GPU and on two with `--tp-all-reduce fused` (the engine's
 # decode kernel at TP=2 / 128K took 74.4 us a layer where the same kernel alone took 67.2;
