@@ -516,11 +516,8 @@ GLUON_CONFIGS = {  # head dim: [GluonConfig], the default first (sm90_compile: n
     64: [G(128, 4), G(64, 4), G(128, 4, pingpong=False), G(128, 2)],
     256: [G(64, 2), G(64, 2, pingpong=False), G(32, 4)],
 }  # fmt: skip
-SWEEPS = ("decode-config", "per-sm", "pdl", "layout", "splits", "stages", "page", "prefill",
-          "hopper", "gluon")  # fmt: skip
-# stages: DecodeTuning.fewer_stages_tokens, the shortest split that runs a pipeline stage fewer
-# (stages_for): 0 none does, 1 every split, and the default's 2,048
-FEWER_STAGES_CHOICES = (0, 1, 2048)
+SWEEPS = ("decode-config", "per-sm", "pdl", "layout", "splits", "page", "prefill", "hopper",
+          "gluon")  # fmt: skip
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -543,20 +540,18 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16,
     (variant "portable"); gluon: the Gluon kernel's ``GluonConfig`` values (``GLUON_CONFIGS``,
     as tuples) at the same points, the Hopper path's default beside them (variant "hopper").
     ``points``: (batch, context) pairs for the decode sweeps. ``kv``: our cache's dtype in
-    every variant. ``heads`` (query, KV heads) and ``page`` (tokens): the splits, stages and
-    per-sm sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for Llama-3-8B), and
-    ``shuffle`` their pages' order (False: in order, as the engine's block manager hands out a
-    fresh pool's blocks); splits
-    times the heuristic's own choice too (variant "heuristic"); stages: the heuristic's splits
-    with ``DecodeTuning.fewer_stages_tokens`` at each of ``FEWER_STAGES_CHOICES`` (the
-    shortest split that runs a pipeline stage fewer). Variants that lost (K/V load hints,
-    loop variants, the combine kernel): docs/benchmarks/kernels-notes.md.
+    every variant. ``heads`` (query, KV heads) and ``page`` (tokens): the decode-config,
+    splits and per-sm sweeps' (a rank's heads under tensor parallelism: 16/4 at 2 for
+    Llama-3-8B), and ``shuffle`` their pages' order (False: in order, as the engine's block
+    manager hands out a fresh pool's blocks); splits times the heuristic's own choice too
+    (variant "heuristic"). Variants that lost (K/V load hints, loop variants, the combine
+    kernel, a stage fewer for short splits): docs/benchmarks/kernels-notes.md and decode.md.
     """
     from kernels.decode import DecodeTuning
 
     res = []
     pts = points or (SWEEP_POINTS if not SMOKE else [(1, 256)])
-    # splits, stages, per-sm
+    # decode-config, splits, per-sm
     hw = {"kv": kv, "hq": heads[0], "hkv": heads[1], "page": page, "shuffle": shuffle}
 
     def rec(kind, bsz, ctx, variant, us, **extra):
@@ -569,7 +564,7 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16,
             for cfg in FP8_DECODE_CONFIGS if kv == "fp8" else DECODE_CONFIGS:
                 tuning = DecodeTuning(tiles=cfg)
                 rec("decode-config", bsz, ctx, cfg,
-                    attempt(time_ours, bsz, ctx, tuning=tuning, kv=kv))  # fmt: skip
+                    attempt(time_ours, bsz, ctx, tuning=tuning, **hw))  # fmt: skip
 
     if "per-sm" in which:  # the variant "(BLOCK_N, warps, stages) xP"; P is capped by smem
         for bsz, ctx in pts:
@@ -604,11 +599,6 @@ def sweep(which: list[str], points=None, kv="bf16", heads=(HQ, HKV), page=16,
                 if sp * 64 <= ctx and bsz * heads[1] * sp <= 3 * 132 * 2:
                     rec("splits", bsz, ctx, sp,
                         attempt(time_ours, bsz, ctx, num_splits=sp, **hw))  # fmt: skip
-    if "stages" in which:  # the heuristic's splits, a stage fewer for splits up to t tokens
-        for bsz, ctx in pts:
-            for t in FEWER_STAGES_CHOICES:
-                tuning = DecodeTuning(fewer_stages_tokens=t)
-                rec("stages", bsz, ctx, t, attempt(time_ours, bsz, ctx, tuning=tuning, **hw))
     if "page" in which:
         for bsz, ctx in pts:
             for page in (16, 64, 256):
@@ -696,12 +686,13 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--heads",
         default=f"{HQ}/{HKV}",
-        help="query/KV heads of the splits, stages and per-sm sweeps, e.g. 16/4",
+        help="query/KV heads of the decode-config, splits and per-sm sweeps, e.g. 16/4",
     )
     ap.add_argument("--page", type=int, default=16,
-                    help="page of the splits, stages and per-sm sweeps")  # fmt: skip
+                    help="page of the decode-config, splits and per-sm sweeps")  # fmt: skip
     ap.add_argument("--in-order", action="store_true",
-                    help="the splits, stages and per-sm sweeps' pages in order, not shuffled")
+                    help="the decode-config, splits and per-sm sweeps' pages in order, not "
+                    "shuffled")  # fmt: skip
     ap.add_argument("--window", type=int, help="time sliding windows of this many tokens "
                     "instead (decode per --batches, prefill per --window-chunks)")  # fmt: skip
     ap.add_argument("--window-context", type=int, default=131072)

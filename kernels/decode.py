@@ -466,11 +466,10 @@ class DecodeTuning:
     (``decode_attention(tuning=...)``); ``DEFAULT_DECODE_TUNING`` holds the measured ones.
     ValueError on construction for values the kernel cannot run."""
 
-    # Stage 1's (BLOCK_N, num_warps, num_stages) for every call; None: decode_config's rule,
-    # with stages_for taking one stage off long splits.
+    # Stage 1's (BLOCK_N, num_warps, num_stages) for every call; None: decode_config's rule.
     tiles: tuple[int, int, int] | None = None
-    # decode_config's tiles for head dims over 128 (Gemma 2/3: 256), never given a stage
-    # fewer by stages_for. H100, B=1, 16/8 heads of 256, µs (kernels-notes.md, 2026-11-24):
+    # decode_config's tiles for head dims over 128 (Gemma 2/3: 256). H100, B=1, 16/8 heads
+    # of 256, µs (kernels-notes.md, 2026-11-24):
     # (64, 4, 3) 17.2-17.4 at 4K, 96.0 at 32K, 9.0 over a 1,024-token window; (32, 4, 4)
     # 18.2-20.2 / 96.5 / 13.0 (at 256-token splits); (64, 4, 2) 14.7 over the window at
     # 256-token splits, (64, 8, 3) and (32, 8, 3) 1-20% slower, (16, 4, *) up to 45%.
@@ -500,14 +499,6 @@ class DecodeTuning:
     # 16/8 heads of 256: 64-token splits 9.0 µs, 128 10.4, 256 12.0; global 4K and 32K level
     # (17.4 / 95.7-96.0 at 64, 128 and 256).
     wide_min_split_tokens: int = 64
-    # stages_for: splits of at least this many tokens run one pipeline stage fewer; 0: none.
-    # H200, 128-token pages, graph replay, µs at (64, 4, 4) / (64, 4, 3) (`kernels.bench
-    # --sweep stages,splits --page 128`, docs/benchmarks/decode.md, 2026-11-27): 16/4 heads
-    # (a TP=2 rank of Llama-3-8B) 1x32K (512-token splits) 22.0 / 22.9-24.0, 1x128K (2,048)
-    # 66.7-67.6 / 65.5-65.9; 32/8 1x4K (128) 9.5 / 10.1, 8x4K (1,024) 36.9 / 38.6, 1x32K
-    # (1,024) 36.7 / 36.5, 1x128K (4,096) 125.1 / 124.1. It was the other way round (a stage
-    # fewer up to 4,096 tokens, measured on an older kernel at 16-token pages).
-    fewer_stages_tokens: int = 2048
     max_splits: int = 256  # the heuristic's cap on splits per sequence
     # Tokens of each split prefetched into L2 before the in-kernel wait of a chained launch
     # (``_prefetch_split``), rounded up to whole tiles; 0: none. H200, bench decode batch 1, ms
@@ -536,9 +527,6 @@ class DecodeTuning:
         if self.prefetch_tokens < 0:
             raise ValueError(f"DecodeTuning.prefetch_tokens must be >= 0, "
                              f"got {self.prefetch_tokens}")  # fmt: skip
-        if self.fewer_stages_tokens < 0:
-            raise ValueError(f"DecodeTuning.fewer_stages_tokens must be >= 0, "
-                             f"got {self.fewer_stages_tokens}")  # fmt: skip
 
 
 def _check_tiles(tiles: tuple, field: str = "tiles") -> None:
@@ -587,23 +575,14 @@ def decode_config(
     shared memory, 2 programs per SM). H100, 6 configs at 7 points (B 1-32, 4K-128K), each at
     its own heuristic split count: (64, 4, 4) fastest at 6, 1.2% behind (64, 4, 3) at B=8/4K;
     (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
-    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). Head dims over 128:
+    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). (64, 4, 3) on short splits lost
+    end to end too (H200, bench decode dummy:llama3.1-8b batch 1, ms a step, three runs each,
+    docs/benchmarks/decode.md, 2026-11-27): 128K 7.87 / 8.05 at TP=1, 4.73 / 4.84 at TP=2,
+    only TP=2's 32K faster with it (3.30 / 3.23). Head dims over 128:
     ``tuning.wide_tiles``; an fp8 cache read with f16 dots: ``tuning.fp8_tiles`` when set."""
     if head_dim > 128:
         return tuning.wide_tiles
     return tuning.fp8_tiles if fp8 and tuning.fp8_tiles is not None else (64, 4, 4)
-
-
-def stages_for(
-    config: tuple[int, int, int], split_tokens: int, tuning: DecodeTuning = DEFAULT_DECODE_TUNING
-) -> tuple[int, int, int]:
-    """One stage fewer (num_stages - 2 K/V tiles in flight) for splits of at least
-    ``tuning.fewer_stages_tokens`` (none when 0): level or 1-2% faster there, where short
-    splits lose 4-8% with it (the measurements at ``DecodeTuning.fewer_stages_tokens``). The
-    result is the same at any stage count."""
-    block_n, warps, stages = config
-    fewer = 0 < tuning.fewer_stages_tokens <= split_tokens
-    return (block_n, warps, stages - 1) if fewer else config
 
 
 def fit_smem(
@@ -710,9 +689,6 @@ def plan_splits(
     splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning, shortest)
     # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
     min_split = math.ceil(shortest / block_n) * block_n
-    chosen = tuning.tiles is not None or (fp8 and tuning.fp8_tiles is not None)
-    if not chosen and not wide:  # wide tiles lose a third with a stage fewer
-        tiles = stages_for(tiles, math.ceil(span / splits), tuning)
     return SplitPlan(splits, min_split, tiles)
 
 

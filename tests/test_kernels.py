@@ -158,7 +158,7 @@ def test_decode_at_page_and_tile_edges(d, page):
 TUNINGS = [  # each changes what the split heuristic or the launch does
     DecodeTuning(tiles=(32, 4, 2)),
     DecodeTuning(programs_per_sm=1, max_splits=3),
-    DecodeTuning(min_split_tokens=64, fewer_stages_tokens=1),
+    DecodeTuning(min_split_tokens=64),
     DecodeTuning(pdl=False),
 ]
 
@@ -178,26 +178,18 @@ def test_decode_tunings_match_the_reference(tuning):
         assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"lse {tuning} {max_len}")
 
 
-def test_decode_plan_runs_long_splits_with_one_stage_fewer():
-    """Splits of at least ``fewer_stages_tokens`` get (BLOCK_N, warps, stages - 1), shorter
-    ones the default; explicit tiles are never changed. The result is the same (GPU test)."""
+def test_decode_plan_keeps_its_tiles_at_every_split_length():
+    """The heuristic's splits, however long, run decode_config's tiles (a stage fewer for short
+    splits lost on the GPU); explicit tiles are never changed."""
     from kernels.decode import decode_config, num_splits_for, plan_splits
 
     base = decode_config(64)
-    fewer = (base[0], base[1], base[2] - 1)
-    seen = set()
-    for max_len, sms in ((4096, 132), (8192, 132), (131072, 132), (65536, 132), (65536, 1)):
+    for max_len, sms in ((4096, 132), (8192, 132), (131072, 132), (65536, 1)):
         plan = plan_splits(1, 2, 64, 2, max_len, sms)
         assert plan.splits == num_splits_for(1, 2, max_len, sms, base[0], 2), (max_len, sms)
-        long = -(-max_len // plan.splits) >= DecodeTuning().fewer_stages_tokens
-        assert plan.tiles == (fewer if long else base), (max_len, sms)
-        seen.add(long)
-    assert seen == {False, True}  # both sides of the rule ran
-    assert plan_splits(1, 2, 64, 2, 65536, 1, DecodeTuning(tiles=base)).tiles == base
-    never = DecodeTuning(fewer_stages_tokens=0)
-    assert plan_splits(1, 2, 64, 2, 65536, 1, never).tiles == base
-    always = DecodeTuning(fewer_stages_tokens=1)
-    assert plan_splits(1, 2, 64, 2, 4096, 132, always).tiles == fewer
+        assert plan.tiles == base, (max_len, sms)
+    mine = DecodeTuning(tiles=(32, 4, 2))
+    assert plan_splits(1, 2, 64, 2, 65536, 1, mine).tiles == (32, 4, 2)
 
 
 def test_decode_tiles_fit_shared_memory():
@@ -240,7 +232,6 @@ def test_decode_tuning_sizes_the_splits():
      ({"tiles": (64, 3, 3)}, "tiles"), ({"tiles": (64, 4, 0)}, "tiles"),
      ({"tiles": (64, 4)}, "tiles"), ({"programs_per_sm": 0}, "programs_per_sm"),
      ({"min_split_tokens": 0}, "min_split_tokens"), ({"max_splits": 0}, "max_splits"),
-     ({"fewer_stages_tokens": -1}, "fewer_stages_tokens"),
      ({"prefetch_tokens": -1}, "prefetch_tokens")],
 )  # fmt: skip
 def test_decode_tuning_rejects_what_the_kernel_cannot_run(fields, message):
@@ -717,8 +708,8 @@ def test_decode_plan_follows_the_window():
 
     # (B=1 has its 32 splits (head dim 256: 16) from 4K (1K) up: the window that changes its
     # plan is shorter)
-    for batch, hkv, d, w in ((1, 8, 128, 2048), (8, 8, 128, 4096), (1, 8, 256, 512),
-                             (32, 4, 64, 512)):  # fmt: skip
+    for batch, hkv, d, w in ((1, 8, 128, 2048), (8, 8, 128, 256), (1, 8, 256, 512),
+                             (32, 4, 64, 128)):  # fmt: skip
         at_w = plan_splits(batch, hkv, d, 2, w, 132)
         assert plan_splits(batch, hkv, d, 2, 131072, 132, window=w) == at_w
         assert plan_splits(batch, hkv, d, 2, 131072, 132) != at_w
@@ -734,7 +725,7 @@ def test_decode_wide_tiles_are_the_tuning_for_head_dim_256():
 
     assert decode_config(256) == DecodeTuning().wide_tiles
     assert decode_config(128) == decode_config(128, DecodeTuning(wide_tiles=(16, 4, 2)))
-    tuning = DecodeTuning(wide_tiles=(16, 4, 3), fewer_stages_tokens=0)
+    tuning = DecodeTuning(wide_tiles=(16, 4, 3))
     assert plan_splits(1, 2, 256, 2, 65536, 132, tuning).tiles == (16, 4, 3)
     assert plan_splits(1, 2, 128, 2, 65536, 132, tuning).tiles == decode_config(128)
     with pytest.raises(ValueError, match="wide_tiles"):

@@ -50,36 +50,38 @@ def test_tuning_sweeps_time_every_variant(tmp_path, kv):
     assert all(r["us"] and r["us"] > 0 for r in res), [r for r in res if not r["us"]]
 
 
-@pytest.mark.parametrize("which", ["splits", "stages"])
-def test_split_and_stage_sweeps_time_their_variants_at_the_heads_and_page_given(
-    tmp_path, monkeypatch, which
+@pytest.mark.parametrize("order", [[], ["--in-order"]], ids=["shuffled", "in-order"])
+@pytest.mark.parametrize("which", ["splits", "decode-config"])
+def test_split_and_tile_sweeps_time_their_variants_at_the_heads_and_page_given(
+    tmp_path, monkeypatch, which, order
 ):
-    """``--sweep splits|stages --heads 4/2 --page 32``: splits times the heuristic's choice and
-    every split count that fits; stages the heuristic's splits under each
-    ``fewer_stages_tokens`` of ``FEWER_STAGES_CHOICES`` (a DecodeTuning value); every call on a
-    cache of the heads and page asked for."""
+    """``--sweep splits|decode-config --heads 4/2 --page 32 [--in-order]``: splits times the
+    heuristic's choice and every split count that fits, decode-config every tile of
+    ``DECODE_CONFIGS`` (a DecodeTuning value); every call on a cache of the heads, page and
+    page order asked for."""
     from kernels import bench
 
     seen = []
     real = bench.time_ours
 
     def spy(*args, **kw):
-        tuning = kw.get("tuning")
-        short = tuning.fewer_stages_tokens if tuning else None
-        seen.append((kw.get("num_splits"), short, kw.get("hq"), kw.get("hkv"), kw.get("page")))
+        tiles = kw["tuning"].tiles if kw.get("tuning") else None
+        seen.append((kw.get("num_splits"), tiles, kw.get("hq"), kw.get("hkv"), kw.get("page"),
+                     kw.get("shuffle")))  # fmt: skip
         return real(*args, **kw)
 
     monkeypatch.setattr(bench, "time_ours", spy)
     out = tmp_path / "sweep.json"
     bench.main(["--sweep", which, "--heads", "4/2", "--page", "32", "--points", "1x256",
-                "--json", str(out)])  # fmt: skip
+                "--json", str(out), *order])  # fmt: skip
     res = json.loads(out.read_text())["sweep"]
+    shuffle = not order
     if which == "splits":
         want = ["heuristic"] + [sp for sp in bench.SPLIT_CHOICES if sp * 64 <= 256]
-        calls = [(None if v == "heuristic" else v, None, 4, 2, 32) for v in want]
+        calls = [(None if v == "heuristic" else v, None, 4, 2, 32, shuffle) for v in want]
     else:
-        want = list(bench.FEWER_STAGES_CHOICES)
-        calls = [(None, t, 4, 2, 32) for t in want]
+        want = [list(c) for c in bench.DECODE_CONFIGS]
+        calls = [(None, tuple(c), 4, 2, 32, shuffle) for c in bench.DECODE_CONFIGS]
     assert [r["variant"] for r in res] == want
     assert all(r["us"] and r["us"] > 0 for r in res)
     assert seen == calls
