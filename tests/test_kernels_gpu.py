@@ -162,8 +162,8 @@ def test_decode_l2_prefetch_does_not_change_the_result(page, window):
 
 
 def test_decode_stage_count_does_not_change_the_result():
-    """The heuristic runs short splits with one pipeline stage fewer: bit-identical output and
-    LSE to the longer pipeline (only when loads are issued changes), and right."""
+    """Tiles that differ only in their pipeline stages (``DecodeTuning.tiles``): bit-identical
+    output and LSE (only when loads are issued changes), and right."""
     from kernels.decode import DecodeTuning, decode_attention
 
     k, v, bt, sl = paged([4096, 1000, 3001], 8, 128, 16)
