@@ -575,10 +575,11 @@ def decode_config(
     shared memory, 2 programs per SM). H100, 6 configs at 7 points (B 1-32, 4K-128K), each at
     its own heuristic split count: (64, 4, 4) fastest at 6, 1.2% behind (64, 4, 3) at B=8/4K;
     (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
-    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). (64, 4, 3) on short splits lost
-    end to end too (H200, bench decode dummy:llama3.1-8b batch 1, ms a step, three runs each,
-    docs/benchmarks/decode.md, 2026-11-27): 128K 7.87 / 8.05 at TP=1, 4.73 / 4.84 at TP=2,
-    only TP=2's 32K faster with it (3.30 / 3.23). Head dims over 128:
+    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). (64, 4, 3) for splits of up to
+    4,096 tokens (a rule until 2026-11-27; a 128K graph's plan ran it at every context) lost
+    at 128K end to end (bench decode dummy:llama3.1-8b batch 1, ms a step, four / three
+    stages, docs/benchmarks/decode.md): H200 TP=1 7.87 / 8.05, TP=2 4.73 / 4.84, H100 11.2 /
+    11.5; it won at 32K by 1-2% (H100 7.06 / 6.98, H200 TP=2 3.30 / 3.23). Head dims over 128:
     ``tuning.wide_tiles``; an fp8 cache read with f16 dots: ``tuning.fp8_tiles`` when set."""
     if head_dim > 128:
         return tuning.wide_tiles
