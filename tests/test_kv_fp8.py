@@ -605,7 +605,7 @@ def test_fp8_inputs_are_checked(change, message):
 
 def test_fp8_decode_plan_takes_the_fp8_tiles():
     """Over an fp8 cache read with f16 dots the split plan takes ``DecodeTuning.fp8_tiles`` at
-    every split length (no stage fewer for short splits), and with none bf16's (the same tiles
+    every split length, and with none bf16's (the same tiles
     and splits); head dims over 128 keep their wide tiles; a 16-bit cache never takes them."""
     from kernels.decode import DecodeTuning, plan_splits
 
