@@ -233,6 +233,78 @@ def test_cuda_graph_replay(config, m):
         assert torch.equal(out, out2)  # the same sum order whichever program finishes last
 
 
+# ---------------------------------------------------------------- prefetch of the next weight
+
+
+def test_prefetch_shares_the_bytes_among_the_programs():
+    """``_prefetch_args``: each program's share in pieces of >= 1 KiB where it allows (at most
+    one a thread), multiples of 16 bytes, never past the tensor; none under 16 bytes a
+    program."""
+    buf = torch.empty(16 << 20, dtype=torch.uint8)
+    for nbytes, programs, threads in [(16 << 20, 512, 32), (16 << 20, 7168, 128),
+                                      (5000, 3, 128), (1 << 20, 1536, 128), (999, 1, 32)]:
+        args = gemv._prefetch_args(buf[:nbytes], programs, threads)
+        piece, pieces = args["pf_piece"], args["pf_pieces"]
+        assert args["PF_LANES"] == threads and 1 <= pieces <= threads
+        assert piece % 16 == 0 and piece >= 16
+        assert piece >= 1024 or pieces == 1, (nbytes, programs, args)
+        covered = programs * pieces * piece
+        assert nbytes - programs * (1024 + 16) * 2 < covered <= nbytes, (nbytes, programs, args)
+        assert args["Pf"].data_ptr() == buf.data_ptr()
+    assert gemv._prefetch_args(buf[:100], 64, 128)["PF_LANES"] == 0  # 1 byte a program
+    assert gemv._prefetch_args(None, 64, 128)["PF_LANES"] == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv._prefetch_args(buf[1:1025], 4, 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv._prefetch_args(buf.view(4096, -1)[:, :8], 4, 32)
+
+
+def test_prefetch_is_a_hint_off_the_chain():
+    """Off the PDL chain (the interpreter, or ``chain=False``) ``prefetch`` changes nothing."""
+    x = torch.randn(1, 256, device=DEVICE).to(torch.float16)
+    w = torch.randn(96, 256, device=DEVICE).to(torch.float16)
+    nxt = torch.randn(64, 256, device=DEVICE).to(torch.float16)
+    ref = linear_small_m(x, w, chain=False)
+    got = linear_small_m(x, w, chain=False, prefetch=nxt)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", [None, "channel", "block"])
+def test_prefetch_changes_no_value_under_graph_replay(scales):
+    """In the PDL chain with the next weight's bytes asked into L2 as each program ends, at
+    Llama-3-8B's o_proj (split on fp8) and gate/up (fused act) shapes: the same bits as
+    without, call after call of one graph."""
+    from kernels import common
+
+    if not common.pdl_chain(torch.device("cuda"), True):
+        pytest.skip("the prefetch rides the PDL chain, sm_90+")
+    dt = torch.bfloat16
+    x = torch.randn(1, 4096, device="cuda", dtype=dt)
+    w_o = torch.randn(4096, 4096, device="cuda") / 64
+    w_gu = torch.randn(2 * 14336, 4096, device="cuda") / 64
+    s_o = s_gu = None
+    if scales:
+        (w_o, s_o), (w_gu, s_gu) = QUANTIZE[scales](w_o), QUANTIZE[scales](w_gu)
+    else:
+        w_o, w_gu = w_o.to(dt), w_gu.to(dt)
+    nxt = w_gu.reshape(-1).view(torch.uint8)[: 16 << 20]
+
+    def step(prefetch):
+        h = linear_small_m(x, w_o, weight_scale=s_o, prefetch=prefetch[0])
+        return linear_small_m(h, w_gu, weight_scale=s_gu, act="silu", prefetch=prefetch[1])
+
+    plain_graph, plain = capture_graph(lambda: step((None, None)))
+    graph, got = capture_graph(lambda: step((nxt, w_o)))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        plain_graph.replay()
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, plain), scales
+
+
 # ---------------------------------------------------------------- gated: act(gate) * up
 
 ACTS = ["silu", "gelu_tanh"]
