@@ -25,8 +25,6 @@ QUANTIZATIONS = ("fp8",)
 TP_ALL_REDUCES = ("nccl", "auto", "fused")  # tensor parallelism's all-reduce (engine/parallel.py)
 # the KV cache's dtype: the model's (auto, or the same dtype named), or fp8 (e4m3 pages with
 # per-token scales: kernels.kv_quant); a 16-bit cache under other activations is not a thing
-# EngineConfig.weight_prefetch_bytes's default: not yet measured end to end, so none
-WEIGHT_PREFETCH_BYTES = 0
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
 _CANONICAL = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -67,10 +65,6 @@ class EngineConfig:
     # chain the decode layer's Triton kernels with programmatic dependent launch (each launched
     # early, waiting in-kernel for the one before it; sm_90+ only); None: on with triton
     pdl_chain: bool | None = None
-    # bytes of the next projection's weight each decode GEMV asks into L2 as it ends, read
-    # while the kernels between them run (DecoderForCausalLM.chain_weight_prefetch; the PDL
-    # chain's, sm_90); 0: none. None: WEIGHT_PREFETCH_BYTES with pdl_chain, else 0
-    weight_prefetch_bytes: int | None = None
     # the prefill kernel's path (kernels.prefill_paths.PATHS): portable (FlashAttention-2, every
     # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens;
     # bf16/fp16/fp8 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, plus
@@ -120,13 +114,6 @@ class EngineConfig:
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":
             raise ValueError("pdl_chain needs the triton attention backend")
-        if self.weight_prefetch_bytes is None:
-            self.weight_prefetch_bytes = WEIGHT_PREFETCH_BYTES if self.pdl_chain else 0
-        elif self.weight_prefetch_bytes < 0:
-            raise ValueError(f"weight_prefetch_bytes must be >= 0, "
-                             f"got {self.weight_prefetch_bytes}")  # fmt: skip
-        elif self.weight_prefetch_bytes and not self.pdl_chain:
-            raise ValueError("weight_prefetch_bytes needs pdl_chain (the triton backend)")
         if self.tensor_parallel_size > 1 and self.is_cuda:  # before any query of the GPUs
             self._check_gpus()
         if self.block_size is None:

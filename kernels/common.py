@@ -107,26 +107,6 @@ def softcap_factors(scale: float, softcap: float) -> tuple[float, float]:
 
 
 @triton.jit
-def prefetch_l2(ptrs, nbytes, live=None):
-    """Asks L2 for ``nbytes`` from each pointer of ``ptrs`` (sm_90's bulk prefetch; each
-    pointer 16-byte aligned, ``nbytes`` a multiple of 16), where ``live`` (None: everywhere):
-    a hint, with no result to wait for; L2 is where the GPU's writes meet, so a row written
-    after it reads the write. Inline PTX: NVIDIA GPUs only, never the interpreter."""
-    if live is None:
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-            [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    else:
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $3, 0;\n\t"
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t}\n\tmov.u32 $0, 0;",
-            "=r,l,r,r", [ptrs, nbytes, live.to(tl.int32)], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
 def _pow2(e):
     """2^e as float32 for integer ``e`` in [-126, 127], from its exponent bits: exact."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)

@@ -76,7 +76,6 @@ from kernels.common import (
     check_window_softcap,
     f16_queries,
     pdl_wait,
-    prefetch_l2,
     softcap_factors,
     softcap_log2,
 )
@@ -124,6 +123,17 @@ def _tile_scales(KS, VS, pages, n0, stride_sb, s_head, PAGE: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _prefetch_rows(ptrs, nbytes):
+    """Asks L2 for ``nbytes`` from each pointer of ``ptrs`` (sm_90's bulk prefetch; each
+    pointer 16-byte aligned, ``nbytes`` a multiple of 16): a hint, with no result to wait
+    for; L2 is where the GPU's writes meet, so a row written after it reads the write."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_off,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                     WINDOWED: tl.constexpr):  # fmt: skip
@@ -136,8 +146,8 @@ def _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_o
     for n0 in range(start, stop, BLOCK_N):
         pages = _tile_pages(bt, n0, lo, end, PAGE, BLOCK_N, WINDOWED)
         row = pages * stride_kb + ((n0 + offs_n) % PAGE) * stride_kt + head_off  # [BN]
-        prefetch_l2(K + row, nbytes)
-        prefetch_l2(V + row, nbytes)
+        _prefetch_rows(K + row, nbytes)
+        _prefetch_rows(V + row, nbytes)
 
 
 @triton.jit

@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import gate_act, gelu_tanh_and_mul, silu_and_mul
-from kernels.common import SplitCounters, pdl_chain, pdl_enter, pdl_kwargs, prefetch_l2
+from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
 from kernels.fold import AllReduceFold, fold_call, fold_send
 from kernels.fp8 import fp8_linear
@@ -247,10 +247,6 @@ def _linear_kernel(
     Calls=None,  # [1] int64, this rank's folded calls (FOLD)
     stride_send=0,  # words of one slot of Send (FOLD)
     FOLD: tl.constexpr = False,  # the output to the peer's slot too, as tagged words
-    Pf=None,  # bytes asked into L2 as the program ends (PF_LANES > 0): the next weight's
-    pf_piece=0,  # bytes a piece, a multiple of 16
-    pf_pieces=0,  # pieces a program (<= PF_LANES), each one thread's bulk prefetch
-    PF_LANES: tl.constexpr = 0,  # the program's threads (32 num_warps); 0: no prefetch
 ):
     pdl_enter(CHAIN)
     pid_n = tl.program_id(0)
@@ -340,11 +336,6 @@ def _linear_kernel(
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, 1)[None, :]  # [1, BN]
 
-    if PF_LANES > 0:  # this program's share of Pf, while the other programs still stream
-        lane = tl.arange(0, PF_LANES)
-        piece = (pid_n * tl.num_programs(1) + pid_k).to(tl.int64) * pf_pieces + lane
-        prefetch_l2(Pf + piece * pf_piece, tl.full([PF_LANES], pf_piece, tl.int32),
-                    lane < pf_pieces)  # fmt: skip
     if SPLIT:  # partials by weight row: [S, M, N]
         out_mask = (offs_m < M)[:, None] & n_mask[None, :]
         part = Part + offs_m[:, None] * N + offs_n[None, :]  # [BM, BN]
@@ -584,7 +575,6 @@ def linear_small_m(
     act: str | None = None,  # "silu" or "gelu_tanh": the gated MLP's activation, out [M, N/2]
     fold: AllReduceFold | None = None,  # a row-parallel layer's output sent to the peer rank
     diag: bool | None = None,  # M <= 8: x's rows in chunks as the dot's 8 columns (module doc)
-    prefetch: torch.Tensor | None = None,  # contiguous: its bytes asked into L2 as this ends
 ) -> torch.Tensor:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
@@ -614,11 +604,6 @@ def linear_small_m(
     times the rows (``_dot_steps``), where it otherwise repeats x to 16 columns (and where M = 1
     on a float weight otherwise multiplies elementwise): half the MMAs and x converted once.
     None: ``gemv_config``'s choice without ``config``, off with it.
-
-    ``prefetch`` (in the PDL chain only, ``chain`` on sm_90; a hint, ignored elsewhere): as
-    each program ends it asks L2 for its share of the tensor's bytes (bulk prefetches), so
-    that what comes next in the chain (the next layer's weight, its first bytes) is read
-    while this GEMV's last programs stream and the kernels between run.
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)
@@ -672,33 +657,8 @@ def linear_small_m(
         F16_DOT=fp8 and x.dtype != torch.float32, DIAG=diag, GATED=gated,
         LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
         **_fold_args(fold),
-        **_prefetch_args(prefetch if pdl_chain(x.device, chain) else None,
-                         tiles_n * splits, 32 * num_warps),
     )  # fmt: skip
     return out
-
-
-# A program's prefetch comes in pieces of at least this many bytes, one bulk prefetch a thread
-_PREFETCH_MIN_PIECE = 1024
-
-
-def _prefetch_args(prefetch: torch.Tensor | None, programs: int, threads: int) -> dict:
-    """_linear_kernel's prefetch arguments: ``prefetch``'s bytes shared among the programs
-    in equal pieces (up to ``threads`` a program, each at least ``_PREFETCH_MIN_PIECE`` bytes
-    where the share allows, multiples of 16; the remainder under a piece is left out); none
-    where a program's share is under 16 bytes."""
-    off = dict(Pf=None, pf_piece=0, pf_pieces=0, PF_LANES=0)
-    if prefetch is None:
-        return off
-    if not prefetch.is_contiguous() or prefetch.data_ptr() % 16:
-        raise ValueError("prefetch must be a contiguous tensor starting on 16 bytes")
-    share = prefetch.numel() * prefetch.element_size() // programs // 16 * 16
-    if share < 16:
-        return off
-    pieces = min(threads, 1 << max(0, (share // _PREFETCH_MIN_PIECE).bit_length() - 1))
-    piece = share // pieces // 16 * 16
-    return dict(Pf=prefetch.reshape(-1).view(torch.uint8), pf_piece=piece, pf_pieces=pieces,
-                PF_LANES=threads)
 
 
 def _fold_args(fold: AllReduceFold | None) -> dict:
@@ -747,17 +707,14 @@ def linear(
     *,
     chain: bool = True,
     fold: AllReduceFold | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, N]
     """``F.linear`` for the Triton backend: ``linear_small_m`` on CUDA at decode batch sizes
     (1 <= T <= MAX_M, contiguous weight and rows, taking ``chain`` as it does); above, cuBLAS,
     or for a float8 weight ``kernels.fp8.fp8_linear`` (FP8 tensor cores). ``fold`` (a
     row-parallel layer's all-reduce folded into this GEMV and the norm after it): always
-    ``linear_small_m``, which refuses operands it cannot stream. ``prefetch``: as
-    ``linear_small_m`` takes it, where it runs (a hint: nothing elsewhere)."""
+    ``linear_small_m``, which refuses operands it cannot stream."""
     if fold is not None or _streams(x, weight):
-        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, fold=fold,
-                              prefetch=prefetch)  # fmt: skip
+        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, fold=fold)
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     return torch.nn.functional.linear(x, weight, bias)
@@ -771,20 +728,17 @@ def linear_act_and_mul(
     act: str = "silu",  # or "gelu_tanh"
     *,
     chain: bool = True,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, I]
     """A gated MLP's gate/up projection and activation, ``act(gate) * up``, for the Triton
     backend (``kernels.reference.linear_act_and_mul``): where ``linear`` streams the weight
     (``_streams``), one ``linear_small_m`` with the activation in its epilogue (one launch
     fewer a layer; ``_fuses``); elsewhere (prefill sizes, the CPU) ``linear``, then the
     activation kernel.
-    Both join the PDL chain as ``chain`` says; ``prefetch`` goes to the fused kernel (a hint:
-    nothing elsewhere)."""
+    Both join the PDL chain as ``chain`` says."""
     if act not in _ACT_AND_MUL:
         raise ValueError(f"act must be one of {', '.join(_ACT_AND_MUL)}, not {act!r}")
     if _fuses(x, weight, weight_scale):
-        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, act=act,
-                              prefetch=prefetch)  # fmt: skip
+        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, act=act)
     gate_up = linear(x, weight, bias, weight_scale, chain=chain)  # [T, 2I]
     return _ACT_AND_MUL[act](gate_up, chain=chain)
 

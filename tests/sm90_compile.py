@@ -190,23 +190,17 @@ def gemv_kernel(
     fold: bool = False,
     split: bool = False,
     diag: bool = False,
-    prefetch: bool = False,
 ):
     """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit (``split``: K split),
     K a multiple of BLOCK_K; ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1
     or 2), ``tile``: (BLOCK_N, BLOCK_K, num_warps, num_stages); ``gated``: the gated MLP's
     epilogue (1 SiLU, 2 GELU-tanh, libdevice's tanh); ``fold``: the output sent to the peer
-    rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``);
-    ``prefetch``: bulk L2 prefetches as each program ends (``linear_small_m(prefetch=...)``)."""
+    rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``)."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
     if fold:
         ptrs.update(Send="*i64", Calls="*i64")
-    if prefetch:
-        ptrs.update(Pf="*u8", pf_piece="i32", pf_pieces="i32")
     unfolded = {} if fold else dict(Send=None, Calls=None, stride_send=0)
-    if not prefetch:
-        unfolded.update(Pf=None, pf_piece=0, pf_pieces=0)
     fp8 = w_scale > 0
     dot = m > 1 or fp8 or diag
     consts = dict(HAS_BIAS=False, SPLIT=split, USE_DOT=dot, EVEN_K=True,
@@ -215,7 +209,7 @@ def gemv_kernel(
                   DOT_PRECISION="ieee" if x == "fp32" else "tf32",
                   X_ROWS=x_rows or (triton.next_power_of_2(m) if fp8 else 16 if dot else 1),
                   F16_DOT=fp8 and x != "fp32", DIAG=diag, GATED=gated, LIBDEVICE=True,
-                  FOLD=fold, PF_LANES=32 * tile[2] if prefetch else 0,
+                  FOLD=fold,
                   **unfolded)  # fmt: skip
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3])
 
@@ -345,10 +339,8 @@ def gemv_summary(w: str, tile=(8, 2048, 8, 3), **options) -> dict:
     kernel = gemv_kernel(w, tile=tile, **options)
     size = {"fp8e4nv": 1, "fp32": 4}.get(w, 2)
     per_thread = tile[0] * tile[1] * size // (32 * tile[2])
-    ptx = kernel.asm["ptx"].split(".section")[0]
     return {"shared": kernel.metadata.shared, **resources(kernel),
-            "loop": loop_mix(kernel, per_thread), **ptx_sync(kernel),
-            "l2_prefetch": len(re.findall(r"cp\.async\.bulk\.prefetch\.L2", ptx))}  # fmt: skip
+            "loop": loop_mix(kernel, per_thread), **ptx_sync(kernel)}  # fmt: skip
 
 
 def gluon_summary(kernel) -> dict:
@@ -537,19 +529,6 @@ FOLD_VARIANTS = {
 }  # fmt: skip
 
 
-# the next weight's first bytes asked into L2 as each program ends (``linear_small_m``'s
-# ``prefetch``): each GEMV at the tile of its twin (the name without ``prefetch-``), whose
-# streaming loop it must keep
-_P = functools.partial(gemv_summary, prefetch=True)
-PREFETCH_VARIANTS = {
-    "prefetch-gemv-bf16-m1": lambda: _P("bf16", tile=(4, 2048, 4, 3)),
-    "prefetch-gemv-fp8-channel-m1-diag": lambda: _P("fp8e4nv", tile=_FP8_NARROW, w_scale=1,
-                                                    diag=True),
-    "prefetch-gemv-fp8-channel-m1-split": lambda: _P("fp8e4nv", tile=_FP8_SPLIT, w_scale=1,
-                                                     split=True),
-}  # fmt: skip
-
-
 def norm_summary(**options) -> dict:
     """``norm_kernel(**options)``'s resources, its PTX's atomics by kind (``atom.*``) and its
     loads that skip L1 (``ld.global.cg``)."""
@@ -598,8 +577,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--fp8-configs"]:
         everything, prefixes = fp8_configs(), [""]
     else:
-        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS,
-                      **PREFETCH_VARIANTS}
+        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS}
         prefixes = sys.argv[1:] or [""]
     for name in [v for v in everything if v.startswith(tuple(prefixes))]:
         kernel_or_row = everything[name]()

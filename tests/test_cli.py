@@ -68,10 +68,6 @@ def test_generate_chat_on_the_default_model():
         (["generate", "hi", "--attention-backend", "magic", *TINY], 2, "invalid choice"),
         (["generate", "hi", "--device", "tpu", *TINY], 2, "device"),
         (["generate", "hi", "--device", "cpu", "--pdl-chain", *TINY], 2, "pdl_chain needs"),
-        (["generate", "hi", "--device", "cpu", "--weight-prefetch-mb", "8", *TINY], 2,
-         "weight_prefetch_bytes needs pdl_chain"),
-        (["generate", "hi", "--weight-prefetch-mb", "-1", *TINY], 2, "must be >= 0 MiB"),
-        (["generate", "hi", "--weight-prefetch-mb", "lots", *TINY], 2, "not a number of MiB"),
         (["generate", "hi", "--prefill-path", "fast", *TINY], 2, "invalid choice"),
         (
             ["generate", "hi", "--max-kv-tokens", "64", "--kv-cache-memory-bytes", "9999", *TINY],
@@ -163,25 +159,6 @@ def test_pdl_chain_flag_and_its_default(flag, expected):
 
     args = build_parser().parse_args(["generate", "hi", *TINY, "--device", "cpu", *flag])
     assert engine_config_from_args(args).pdl_chain is expected
-
-
-@pytest.mark.parametrize(
-    "flag, expected",
-    [([], 0), (["--attention-backend", "triton"], 0),
-     (["--attention-backend", "triton", "--weight-prefetch-mb", "1.5"], 3 << 19),
-     (["--attention-backend", "triton", "--weight-prefetch-mb", "0"], 0)],
-)  # fmt: skip
-def test_weight_prefetch_flag_and_its_default(flag, expected):
-    """MiB on the command line, bytes in the config; the default (none, until measured)
-    with the triton backend, none without the PDL chain."""
-    from flashserve.cli.args import engine_config_from_args
-    from flashserve.cli.main import build_parser
-    from flashserve.config import WEIGHT_PREFETCH_BYTES
-
-    args = build_parser().parse_args(["generate", "hi", *TINY, "--device", "cpu", *flag])
-    if flag == ["--attention-backend", "triton"]:
-        expected = WEIGHT_PREFETCH_BYTES
-    assert engine_config_from_args(args).weight_prefetch_bytes == expected
 
 
 @pytest.mark.parametrize(

@@ -157,20 +157,6 @@ def test_pdl_chain_gives_the_same_tokens(prompts, enforce_eager):
         assert got == plain
 
 
-def test_weight_prefetch_gives_the_same_tokens(prompts):
-    """Each decode GEMV asking L2 for the next weight's first bytes as it ends
-    (EngineConfig.weight_prefetch_bytes, under CUDA graphs): the same greedy tokens as without
-    (a prefetch is a hint: it must change no value), bf16 and fp8 weights."""
-    from kernels import common
-
-    if not common.pdl_chain(torch.device("cuda"), True):
-        pytest.skip("the prefetch rides the PDL chain, sm_90+")
-    for quantization in (None, "fp8"):
-        kw = dict(max_num_seqs=8, quantization=quantization)
-        plain = _generate(prompts, weight_prefetch_bytes=0, **kw)
-        assert _generate(prompts, weight_prefetch_bytes=1 << 20, **kw) == plain, quantization
-
-
 # ---- fp8 weights -----------------------------------------------------------------------------
 
 FP8_LOGIT_SLACK = 1.0  # bf16 rounding (0.5) plus e4m3 weights: the default model's fp32 gap 0.2

@@ -96,18 +96,3 @@ def test_bf16_diag_takes_a_fraction_of_the_instructions(compiled):
     loop = {name: compiled[name]["loop"]["per_byte"]["sass"] for name in compiled}
     assert loop["gemv-bf16-m1-diag"] <= 0.3 * loop["gemv-bf16-m1"], loop
     assert loop["gemv-bf16-m8-diag"] <= 0.6 * loop["gemv-bf16-m8"], loop
-
-
-def test_prefetch_leaves_the_streaming_loop_alone():
-    """``linear_small_m(prefetch=...)``: one predicated bulk L2 prefetch, after the K loop, and
-    the loop's SASS per weight byte within 1% of its twin's (the name without ``prefetch-``),
-    with no spills."""
-    rows = sm90_reports("prefetch-gemv", "gemv-bf16-m1", "gemv-fp8-channel-m1")
-    twins = [name for name in rows if name.startswith("prefetch-")]
-    assert len(twins) == 3, twins
-    for name in twins:
-        row, plain = rows[name], rows[name.removeprefix("prefetch-")]
-        assert row["l2_prefetch"] == 1 and plain["l2_prefetch"] == 0, name
-        assert row["stack_bytes"] + row["local_bytes"] == 0, (name, row)
-        per_byte = row["loop"]["per_byte"]["sass"]
-        assert per_byte <= 1.01 * plain["loop"]["per_byte"]["sass"], (name, row["loop"], plain)

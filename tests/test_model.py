@@ -217,36 +217,6 @@ def test_build_model_meta_then_device_and_random_init():
     assert torch.equal(model.model.rotary_emb.cos, ref.cos.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_weight_prefetch_chains_each_projection_to_the_next(tied):
-    """``chain_weight_prefetch(n)``: each projection's ``prefetch`` is the first n bytes (or
-    all, if fewer) of the weight the step streams next, in call order, the last down_proj's
-    the LM head's (the embeddings when tied); 0 clears them; the forward is unchanged."""
-    config = ModelConfig.from_hf_dict(
-        transformers.LlamaConfig(**TINY, tie_word_embeddings=tied).to_dict()
-    )
-    model = build_model(config, TORCH, "cpu", torch.bfloat16)
-    init_random(model, seed=5)
-    ids = torch.tensor([3, 1, 4, 1, 5])
-    before = run_prompts(model, [ids.tolist()])
-    nbytes = 1000
-    model.chain_weight_prefetch(nbytes)
-    head = model.model.embed_tokens if tied else model.lm_head
-    order = [lin for layer in model.model.layers
-             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
-    assert len(order) == 4 * config.num_hidden_layers
-    for lin, nxt in zip(order, [lin.weight for lin in order[1:]] + [head.weight], strict=True):
-        got = lin.prefetch
-        assert got.dtype == torch.uint8 and got.is_contiguous()
-        assert got.data_ptr() == nxt.data_ptr() and got.numel() == min(nbytes, nxt.nbytes)
-    model.chain_weight_prefetch(1 << 30)  # more than any weight: the whole of each
-    assert order[0].prefetch.numel() == order[1].weight.nbytes
-    model.chain_weight_prefetch(0)
-    assert all(lin.prefetch is None for lin in order)
-    assert all(torch.equal(a, b) for a, b in zip(before, run_prompts(model, [ids.tolist()])))
-
-
 def test_ensure_positions_extends_rope_cache():
     config = ModelConfig.from_hf_dict(transformers.LlamaConfig(**TINY).to_dict())
     model = DecoderForCausalLM(config, TORCH)

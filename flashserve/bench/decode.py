@@ -126,7 +126,6 @@ def run(args: argparse.Namespace) -> int:
             "async_scheduling": config.async_scheduling,
             "tensor_parallel_size": config.tensor_parallel_size,  # the bytes are rank 0's
             "pdl_chain": pdl_chain(device, config.pdl_chain),  # in effect: sm_90+ only
-            "weight_prefetch_bytes": config.weight_prefetch_bytes,
             "copy_bandwidth_gbs": bandwidth / 1e9,
             # batch -> seconds a step's collectives take alone (tensor parallel; in the roofline)
             "collectives_s_per_step": comm,

@@ -139,26 +139,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "one before it (programmatic dependent launch, sm_90+): 2-3%% faster decode at batch "
         "1; default: on with the triton backend",
     )
-    g.add_argument(
-        "--weight-prefetch-mb",
-        dest="weight_prefetch_bytes",
-        type=_mib,
-        metavar="MIB",
-        help="with --pdl-chain: each decode GEMV asks L2 for this many MiB of the next "
-        "projection's weight as it ends, read while the kernels between them run (0: none; "
-        "default: 0, not yet measured faster)",
-    )
-
-
-def _mib(text: str) -> int:
-    """A --weight-prefetch-mb value in bytes."""
-    try:
-        mib = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of MiB: {text!r}") from None
-    if not 0 <= mib < 1 << 20:
-        raise argparse.ArgumentTypeError(f"must be >= 0 MiB, got {text}")
-    return int(mib * (1 << 20))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

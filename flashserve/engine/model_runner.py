@@ -121,8 +121,6 @@ class ModelRunner:
         self.kv_caches = [self._new_layer_cache() for _ in range(mc.num_hidden_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device) if self.tp.rank == 0 else None
         self.backend = model.backend
-        if config.weight_prefetch_bytes:
-            model.chain_weight_prefetch(config.weight_prefetch_bytes)
         self.staging = Staging(self.device)  # eager steps' uploads; graphs spill into it
         self._landing = self._landing_buffers()
         self._num_launched = 0

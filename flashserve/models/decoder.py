@@ -153,8 +153,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fold: AllReduceFold | None = None) -> torch.Tensor:
         g = self.gate_up_proj  # [2I, hidden], gate rows first; x [T, hidden]
-        h = self.ops.linear_act_and_mul(x, g.weight, g.bias, g.weight_scale, self.act,
-                                        **g.hints())  # [T, I]
+        h = self.ops.linear_act_and_mul(x, g.weight, g.bias, g.weight_scale, self.act)  # [T, I]
         return self.down_proj(h, fold)  # [T, hidden] (fold: down_proj's output sent too)
 
 
@@ -371,21 +370,6 @@ class DecoderForCausalLM(nn.Module):
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
-
-    def chain_weight_prefetch(self, nbytes: int) -> None:
-        """Let each projection's decode GEMV ask L2 for the first ``nbytes`` of the weight
-        the step streams next (``Linear.prefetch``; the triton backend's hint: 0 none): QKV
-        for o_proj's, o_proj for gate/up's, gate/up for down's, down for the next layer's
-        QKV, the last down for the LM head's. They are read while the kernels in between
-        run (norms, RoPE, attention), when the memory bus is not busy with a weight."""
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        order = [lin for layer in self.model.layers
-                 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
-        weights = [lin.weight for lin in order[1:]] + [head.weight]
-        for lin, nxt in zip(order, weights, strict=True):
-            data = nxt.detach().reshape(-1).view(torch.uint8)
-            lin.prefetch = data[: min(nbytes, data.numel())] if nbytes > 0 else None
 
     def tensor_shard(self, name: str, shape: tuple[int, ...] | None = None,
                      dtype: torch.dtype | None = None) -> Shard:  # fmt: skip

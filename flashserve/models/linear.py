@@ -68,9 +68,6 @@ class Linear(nn.Module):
         self.weight_scale = None
         if fp8 is not None:
             self.weight_scale = nn.Parameter(torch.empty(self._scale_shape()))
-        # bytes the backend asks into L2 as this projection's decode GEMV ends (the next
-        # projection's first ones: DecoderForCausalLM.chain_weight_prefetch); None: none
-        self.prefetch: torch.Tensor | None = None
 
     def _scale_shape(self) -> tuple[int, ...]:
         if self.fp8 == CHANNEL:
@@ -81,13 +78,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, fold=None) -> torch.Tensor:  # [T, K] -> [T, N]
         """``fold`` (a row-parallel layer's folded all-reduce, ``kernels.fold``): the backend
-        sends the output to the other rank too; passed only when set, as ``prefetch`` is."""
-        extra = self.hints() if fold is None else {**self.hints(), "fold": fold}
-        return self.ops.linear(x, self.weight, self.bias, self.weight_scale, **extra)
-
-    def hints(self) -> dict:
-        """The backend op's ``prefetch`` argument when set (the triton backend's only)."""
-        return {} if self.prefetch is None else {"prefetch": self.prefetch}
+        sends the output to the other rank too; passed only when set."""
+        if fold is not None:
+            return self.ops.linear(x, self.weight, self.bias, self.weight_scale, fold=fold)
+        return self.ops.linear(x, self.weight, self.bias, self.weight_scale)
 
     def extra_repr(self) -> str:
         fp8 = f", fp8={self.fp8}" if self.fp8 else ""
