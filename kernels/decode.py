@@ -50,10 +50,10 @@ choices); variants that lost their measurements are gone, their numbers kept in
 docs/benchmarks/kernels-notes.md ("Deleted variants"). On sm_90+ the kernel uses programmatic
 dependent launch: it is scheduled while its predecessor (``rope_write_kv``) runs and waits for
 it in-kernel (``gdc_wait``) before touching memory; with ``chain=`` (the decode layer's PDL
-chain, ``kernels.common``) it first asks L2 for each split's first KV tile (the cache's earlier
-rows, the block tables and lengths are the step's inputs, there before the step starts;
-``DecodeTuning.prefetch_tokens``), then waits, and lets the next kernel launch once its KV loop
-is done.
+chain, ``kernels.common``) it first asks L2 for each split's first KV tile where its cache
+takes that (``DecodeTuning.prefetch_for``: fp8 caches and head dims over 128; the cache's
+earlier rows, the block tables and lengths are the step's inputs, there before the step
+starts), then waits, and lets the next kernel launch once its KV loop is done.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def _decode_split_kernel(
         # its own wait): the step's inputs (lengths, block tables) and the cache's earlier rows
         # are there already, so the split's first tiles go to L2 now, during the QKV GEMV's
         # last wave and the RoPE kernel, and the loop below finds them there (measured:
-        # DecodeTuning.prefetch_tokens). Only the new token's row is written meanwhile (by
+        # DecodeTuning.prefetch_for). Only the new token's row is written meanwhile (by
         # the RoPE kernel), which L2 keeps coherent.
         stop = tl.minimum(end, start + PREFETCH)
         _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_off,
@@ -501,12 +501,21 @@ class DecodeTuning:
     wide_min_split_tokens: int = 64
     max_splits: int = 256  # the heuristic's cap on splits per sequence
     # Tokens of each split prefetched into L2 before the in-kernel wait of a chained launch
-    # (``_prefetch_split``), rounded up to whole tiles; 0: none. H200, bench decode batch 1, ms
-    # per step at 4K / 32K (docs/benchmarks/decode.md, 2026-11-27): Gemma 3 12B none 6.614 /
-    # 7.023, 64 6.577 / 6.978, 256 6.684 / 7.082; Qwen3 8B 4.395 / 5.315, 4.374 / 5.280,
-    # 4.609 / 5.446; Llama 3.1 8B none 4.205 / 5.059, 256 4.427 / 5.230. A tile a split helps;
-    # whole 4K contexts in L2 ahead of the QKV GEMV's last wave cost up to 5%.
-    prefetch_tokens: int = 64
+    # (``_prefetch_split``), rounded up to whole tiles; 0: none. By the cache, as the tiles
+    # are (``prefetch_for``): 16-bit caches at head dims up to 128, over 128 (``wide_``), fp8
+    # read with f16 dots (``fp8_``). H100, bench decode batch 1, ms a step at 4K / 32K / 128K,
+    # 64 tokens / none (docs/benchmarks/decode.md, 2026-11-27, session 21): Llama 3.1 8B
+    # bf16 5.667 / 5.672, 7.063 / 6.914, 11.18 / 11.048 (another call: 5.675 / 5.658, 7.069
+    # / 6.926, 11.189 / 11.047); Qwen3 8B 5.833 / 5.839, 7.372 / 7.236, 12.003 / 11.883;
+    # Gemma 3 12B (head dim 256) 8.902 / 8.956, 9.512 / 9.539 (4K / 32K); Llama fp8 cache
+    # 5.651 / 5.646, 6.275 / 6.295, 8.404 / 8.42; fp8 weights and cache 3.813 / 3.837, 4.415
+    # / 4.458, 6.569 / 6.596. H200, earlier (4K / 32K): Gemma 3 none 6.614 / 7.023, 64 6.577
+    # / 6.978, 256 6.684 / 7.082; Qwen3 4.395 / 5.315, 4.374 / 5.280, 4.609 / 5.446: a tile a
+    # split helped there, whole 4K contexts in L2 ahead of the QKV GEMV's last wave cost up
+    # to 5%.
+    prefetch_tokens: int = 0
+    wide_prefetch_tokens: int = 64
+    fp8_prefetch_tokens: int = 64
     # Programmatic dependent launch (sm_90+): stage 1 is launched while the kernel before it
     # (rope_write_kv, which triggers early) runs, and waits for it in-kernel. On / off, fused
     # merge: B=1/4K 12.3 / 12.5, 16K 30.7 / 31.0, B=8/4K 53.2 / 53.6 (kernels-notes.md run 5).
@@ -524,9 +533,17 @@ class DecodeTuning:
         for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefetch_tokens < 0:
-            raise ValueError(f"DecodeTuning.prefetch_tokens must be >= 0, "
-                             f"got {self.prefetch_tokens}")  # fmt: skip
+        for name in ("prefetch_tokens", "wide_prefetch_tokens", "fp8_prefetch_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DecodeTuning.{name} must be >= 0, got {getattr(self, name)}")
+
+    def prefetch_for(self, head_dim: int, f16_dots: bool) -> int:
+        """Tokens a split prefetches into L2 before its wait: head dims over 128 take
+        ``wide_prefetch_tokens``, an fp8 cache read with f16 dots ``fp8_prefetch_tokens``,
+        the rest ``prefetch_tokens`` (``decode_config``'s classes)."""
+        if head_dim > 128:
+            return self.wide_prefetch_tokens
+        return self.fp8_prefetch_tokens if f16_dots else self.prefetch_tokens
 
 
 def _check_tiles(tiles: tuple, field: str = "tiles") -> None:
@@ -767,7 +784,7 @@ def decode_attention(
     launch = functools.partial(
         _launch, q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out,
         lse, counters, scale, window, softcap, plan, per_sm, return_lse, split_size is not None,
-        chain, prefetch=tuning.prefetch_tokens,
+        chain, prefetch=tuning.prefetch_for(d, f16_dots),
     )  # fmt: skip
     _launch_maybe_pdl(q.device, tuning.pdl, launch)
     return (out, lse) if return_lse else out
@@ -816,7 +833,7 @@ def _launch(
 ):  # fmt: skip
     """Stage 1, merging in its last program per (sequence, KV head); launched early (PDL) when
     ``pdl``, and then letting the next kernel launch early too when ``chain``, and prefetching
-    ``prefetch`` tokens a split before its wait (``DecodeTuning.prefetch_tokens``) when both.
+    ``prefetch`` tokens a split before its wait (``DecodeTuning.prefetch_for``) when both.
     ``scales``: an fp8 cache's (k_scale, v_scale), else None."""
     bsz, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]

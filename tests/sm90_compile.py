@@ -85,7 +85,8 @@ def decode_kernel(fp8: bool, dt: str = "bf16", d: int = 128, tiles=None, **flags
                   BLOCK_N=tiles[0], BLOCK_D=d, MERGE_H=4, MERGE_S=8,
                   DOT_PRECISION="ieee" if dt == "fp32" else "tf32", PTX=True,
                   SCALES_AHEAD=decode.scales_ahead(fp8, *tiles[:2]),
-                  PREFETCH=decode.DEFAULT_DECODE_TUNING.prefetch_tokens)  # fmt: skip
+                  # the prefetch before the wait compiled in, as fp8 and wide caches take it
+                  PREFETCH=decode.DEFAULT_DECODE_TUNING.fp8_prefetch_tokens)  # fmt: skip
     consts.update(flags)
     return _compile(decode._decode_split_kernel, ptrs, consts, num_warps=tiles[1],
                     num_stages=tiles[2])  # fmt: skip

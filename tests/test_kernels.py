@@ -232,11 +232,48 @@ def test_decode_tuning_sizes_the_splits():
      ({"tiles": (64, 3, 3)}, "tiles"), ({"tiles": (64, 4, 0)}, "tiles"),
      ({"tiles": (64, 4)}, "tiles"), ({"programs_per_sm": 0}, "programs_per_sm"),
      ({"min_split_tokens": 0}, "min_split_tokens"), ({"max_splits": 0}, "max_splits"),
-     ({"prefetch_tokens": -1}, "prefetch_tokens")],
+     ({"prefetch_tokens": -1}, "prefetch_tokens"),
+     ({"wide_prefetch_tokens": -64}, "wide_prefetch_tokens"),
+     ({"fp8_prefetch_tokens": -1}, "fp8_prefetch_tokens")],
 )  # fmt: skip
 def test_decode_tuning_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         DecodeTuning(**fields)
+
+
+def test_decode_prefetch_follows_the_cache():
+    """``prefetch_for``: head dims over 128 take the wide value (an fp8 cache too, as the
+    tiles do), an fp8 cache read with f16 dots the fp8 one, the rest the 16-bit one; by
+    default none for 16-bit caches up to head dim 128 (measured: DecodeTuning)."""
+    t = DecodeTuning(prefetch_tokens=1, wide_prefetch_tokens=2, fp8_prefetch_tokens=3)
+    assert [t.prefetch_for(d, f16) for d, f16 in
+            [(128, False), (64, False), (256, False), (256, True), (128, True)]] == [1, 1, 2, 2, 3]
+    default = DecodeTuning()
+    assert default.prefetch_for(128, False) == 0
+    assert default.prefetch_for(256, False) > 0 and default.prefetch_for(128, True) > 0
+
+
+@pytest.mark.parametrize("d, fp8, want", [(128, False, 5), (256, False, 6), (128, True, 7)])
+def test_decode_launch_takes_the_caches_prefetch(monkeypatch, d, fp8, want):
+    """``decode_attention`` launches with ``prefetch_for``'s value for its cache."""
+    import kernels.decode as decode
+    from kernels.kv_quant import FP8_KV_DTYPE, kv_scale_shape
+
+    seen = []
+    monkeypatch.setattr(decode, "_launch", lambda *a, prefetch, pdl, **kw: seen.append(prefetch))
+    k = torch.randn(2, 16, 2, d, device=DEVICE)
+    scales = {}
+    if fp8:
+        k = k.to(FP8_KV_DTYPE)
+        sc = torch.ones(kv_scale_shape(2, 16, 2), device=DEVICE, dtype=torch.bfloat16)
+        scales = dict(k_scale=sc, v_scale=sc)
+    q = torch.randn(1, 4, d, device=DEVICE).half()
+    tuning = DecodeTuning(prefetch_tokens=5, wide_prefetch_tokens=6, fp8_prefetch_tokens=7)
+    decode_attention(q, k if fp8 else k.half(), k if fp8 else k.half(),
+                     torch.tensor([20], dtype=torch.int32, device=DEVICE),
+                     torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE), 0.1,
+                     tuning=tuning, **scales)  # fmt: skip
+    assert seen == [want]
 
 
 def test_decode_tuning_is_a_frozen_value():
