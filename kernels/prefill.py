@@ -492,13 +492,21 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     persistent program per SM (at d128 its 8 warps of 207-240 registers fill most of the
     register file; at d64, 128 registers and 83 KB, two would fit). bf16 on the H100
     (2026-11-27): 480 / 512 TFLOP/s at 4K / 16K with 128-token pages. An fp8 cache takes the
-    same config (H200: 270 / 311 TFLOP/s, docs/benchmarks/fp8.md; its tile sweep not yet run):
-    its stages are half the bytes, plus one K/V tile converted to f16 (164,896 bytes at d128,
-    page 128), but more stages buy no registers
+    same config (H200: 270 / 311 TFLOP/s, docs/benchmarks/fp8.md): its stages are half the
+    bytes, plus one K/V tile converted to f16 (164,896 bytes at d128, page 128), but more
+    stages buy no registers
     (255 at d128 with 128-key tiles; with the scales by bulk copy Triton 3.6 spills there, an
     80-byte stack and 16-20 local accesses a KV-loop iteration, and still measured 6% faster
     than without: sm90_compile, fp8.md). ``python -m kernels.bench --sweep hopper [--kv-dtype
-    fp8]`` times the alternatives."""
+    fp8]`` on the H100 (2026-11-27, docs/benchmarks/kernels.md), µs, default / best of the
+    sweep: bf16 d128 page 128 4K 285.3, the best; 16K 3,996 / 3,908 (a plain grid, which is
+    9% slower at 4K); page 64 within 0.5%; d256 617.0 / 607.6 (64, 64, 4, 3, 1); d64 page 64
+    257.4 / 202.8 (two programs an SM; Gluon takes d64 bf16 caches where it can, 205.2). fp8
+    d128 page 128 (the fp8 default) 4K the best, 16K 6,915 / 6,886; d256 1,119 / 1,073 (a
+    plain grid); d64 380.0 / 339.0 (64, 64, 4, 4, 2). d128 at the pages the engine gives it
+    is within 0.5% of the best; the rest is not changed yet (a new pick needs its GPU tests
+    first): d256 (Gemma 2/3, whose windows take this path) loses 1.5% (bf16) and 4% (fp8),
+    d64 27% (bf16, which Gluon takes where it can: 205.2) and 12% (fp8)."""
     if dtype == torch.float32:
         return 32, min(32, page), 4, 1, 1  # ieee fp32 dots: small tiles (tests, not speed)
     bm, bn, warps, _ = prefill_config(head_dim, dtype)
