@@ -506,7 +506,8 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     plain grid); d64 380.0 / 339.0 (64, 64, 4, 4, 2). d128 at the pages the engine gives it
     is within 0.5% of the best; the rest is not changed yet (a new pick needs its GPU tests
     first): d256 (Gemma 2/3, whose windows take this path) loses 1.5% (bf16) and 4% (fp8),
-    d64 27% (bf16, which Gluon takes where it can: 205.2) and 12% (fp8)."""
+    d64 27% (bf16, which Gluon takes where it can: 205.2) and 12% (fp8). The next pick for
+    d64: (64, 64, 4, 4, 2), fp8's best and bf16's second (220.0), one rule for both."""
     if dtype == torch.float32:
         return 32, min(32, page), 4, 1, 1  # ieee fp32 dots: small tiles (tests, not speed)
     bm, bn, warps, _ = prefill_config(head_dim, dtype)
