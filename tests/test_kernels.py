@@ -246,8 +246,10 @@ def test_decode_prefetch_follows_the_cache():
     tiles do), an fp8 cache read with f16 dots the fp8 one, the rest the 16-bit one; by
     default none for 16-bit caches up to head dim 128 (measured: DecodeTuning)."""
     t = DecodeTuning(prefetch_tokens=1, wide_prefetch_tokens=2, fp8_prefetch_tokens=3)
-    assert [t.prefetch_for(d, f16) for d, f16 in
-            [(128, False), (64, False), (256, False), (256, True), (128, True)]] == [1, 1, 2, 2, 3]
+    assert [
+        t.prefetch_for(d, f16)
+        for d, f16 in [(128, False), (64, False), (256, False), (256, True), (128, True)]
+    ] == [1, 1, 2, 2, 3]
     default = DecodeTuning()
     assert default.prefetch_for(128, False) == 0
     assert default.prefetch_for(256, False) > 0 and default.prefetch_for(128, True) > 0
