@@ -1,8 +1,8 @@
 # Issue 14: the decode kernel's L2 prefetch before its PDL wait (DecodeTuning.prefetch_for),
 # one call on two GPUs. GPU 0: bench decode of this tree (its default prefetch), of the same
 # tree at PREFETCH_ALT tokens for every cache kind (a copy with those defaults), and of an
-# older tree carried as .carry/old (before the prefetch), alternated per model. GPU 1 meanwhile: the kernel tests of
-# verify.sh's first phase (the decode kernel's among them).
+# older tree carried as .carry/old (before the prefetch), alternated per model. GPU 1
+# meanwhile: the kernel tests of verify.sh's first phase (the decode kernel's among them).
 # CTX: the contexts (default 4096,32768); MODELS: some of "gemma qwen llama"; TESTS=0: no
 # tests on GPU 1 (then one GPU is enough). E.g. the long-context check of the prefetch and of
 # the RoPE kernel's early trigger apart: TESTS=0 CTX=131072 PREFETCH_ALT=0 MODELS="llama qwen".
