@@ -490,7 +490,7 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     many copy stages as shared memory holds beside the query tile (up to 4: at d128, (128,
     128) gets 3 stages in 230,416 bytes and (128, 64) 4 in 164,888, sm90_compile), one
     persistent program per SM (at d128 its 8 warps of 207-240 registers fill most of the
-    register file; at d64, 128 registers and 83 KB, two would fit). bf16 on the H100
+    register file); at d64 two programs an SM of 64-query tiles. bf16 on the H100
     (2026-11-27): 480 / 512 TFLOP/s at 4K / 16K with 128-token pages. An fp8 cache takes the
     same config (H200: 270 / 311 TFLOP/s, docs/benchmarks/fp8.md): its stages are half the
     bytes, plus one K/V tile converted to f16 (164,896 bytes at d128, page 128), but more
@@ -503,18 +503,21 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     9% slower at 4K); page 64 within 0.5%; d256 617.0 / 607.6 (64, 64, 4, 3, 1); d64 page 64
     257.4 / 202.8 (two programs an SM; Gluon takes d64 bf16 caches where it can, 205.2). fp8
     d128 page 128 (the fp8 default) 4K the best, 16K 6,915 / 6,886; d256 1,119 / 1,073 (a
-    plain grid); d64 380.0 / 339.0 (64, 64, 4, 4, 2). d128 at the pages the engine gives it
-    is within 0.5% of the best; the rest is not changed yet (a new pick needs its GPU tests
-    first): d256 (Gemma 2/3, whose windows take this path) loses 1.5% (bf16) and 4% (fp8),
-    d64 27% (bf16, which Gluon takes where it can: 205.2) and 12% (fp8). The next pick for
-    d64: (64, 64, 4, 4, 2), fp8's best and bf16's second (220.0), one rule for both."""
+    plain grid); d64 380.0 / 339.0 (64, 64, 4, 4, 2). So d64 takes (64, 64, 4, 4, 2), the
+    fp8 best and bf16's second (220.0 where the one-program default took 257.4; (128, 64, 8,
+    4, 2) 202.8 is level with the old default over fp8, 380.7). d128 at the pages the engine
+    gives it is within 0.5% of the best; d256 (Gemma 2/3, whose windows take this path) loses
+    1.5% (bf16) and 4% (fp8, to a plain grid that loses at d128): not changed."""
     if dtype == torch.float32:
         return 32, min(32, page), 4, 1, 1  # ieee fp32 dots: small tiles (tests, not speed)
     bm, bn, warps, _ = prefill_config(head_dim, dtype)
+    per_sm = 1
+    if head_dim <= 64:  # 64-query tiles of 4 warps, two programs an SM (the sweep above)
+        bm, warps, per_sm = 64, 4, 2
     bn = min(bn, page)
     size = dtype.itemsize
-    stages = (HOPPER_SMEM - bm * head_dim * size) // (2 * bn * head_dim * size)
-    return bm, bn, warps, max(1, min(stages, 4)), 1
+    stages = (HOPPER_SMEM // per_sm - bm * head_dim * size) // (2 * bn * head_dim * size)
+    return bm, bn, warps, max(1, min(stages, 4)), per_sm
 
 
 def hopper_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -400,11 +400,11 @@ def nan_tails(k, v, bt, lens, page):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page", [64, 128])
-@pytest.mark.parametrize("per_sm", [1, 0])
+@pytest.mark.parametrize("per_sm", [None, 0])
 def test_prefill_hopper_bf16(d, page, per_sm):
-    """Forced Hopper path, its default tiles, persistent (1 program per SM) and not (0): GQA,
-    five sequences with cached context, one-token chunks, lengths off every edge, NaN past
-    each end; output and LSE against the reference."""
+    """Forced Hopper path, its default tiles, persistent (as the default has it: two programs
+    an SM at d64) and not (0): GQA, five sequences with cached context, one-token chunks,
+    lengths off every edge, NaN past each end; output and LSE against the reference."""
     from kernels.prefill import hopper_config, prefill_attention
 
     hq, hkv = (32, 8) if d == 128 else (16, 4)
@@ -415,7 +415,8 @@ def test_prefill_hopper_bf16(d, page, per_sm):
     nan_tails(k, v, bt, lens, page)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
     cu = cu_of(qlens)
-    cfg = (*hopper_config(d, torch.bfloat16, page)[:4], per_sm)
+    cfg = hopper_config(d, torch.bfloat16, page)
+    cfg = cfg if per_sm is None else (*cfg[:4], per_sm)
     out = torch.full_like(q, float("nan"))
     out, lse = prefill_attention(q, k, v, cu, sl, bt, d**-0.5, max_query_len=max(qlens), out=out,
                                  return_lse=True, config=cfg, path="hopper")  # fmt: skip

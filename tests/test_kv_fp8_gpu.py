@@ -261,10 +261,10 @@ def poison(kv: Fp8Pools, lens, page, first=None) -> None:
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page", [64, 128])
-@pytest.mark.parametrize("per_sm", [1, 0])
+@pytest.mark.parametrize("per_sm", [None, 0])
 def test_prefill_hopper_fp8_bf16(d, page, per_sm):
-    """The Hopper path over an fp8 cache with its default tiles, persistent (1 program per
-    SM) and not (0): GQA, five sequences with cached context, one-token chunks, lengths off
+    """The Hopper path over an fp8 cache with its default tiles, persistent (as the default
+    has it) and not (0): GQA, five sequences with cached context, one-token chunks, lengths off
     every edge, NaN bytes and scales past each end; output and LSE against the reference
     on the dequantized cache."""
     _skip_off_sm90()
@@ -277,7 +277,8 @@ def test_prefill_hopper_fp8_bf16(d, page, per_sm):
     kd, vd = kv.dequantized()
     poison(kv, lens, page)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    cfg = (*hopper_config(d, torch.bfloat16, page)[:4], per_sm)
+    cfg = hopper_config(d, torch.bfloat16, page)
+    cfg = cfg if per_sm is None else (*cfg[:4], per_sm)
     check_prefill(q, qlens, kv, (kd, vd), f"fp8 hopper prefill d={d} page={page} {cfg}",
                   config=cfg, path="hopper")  # fmt: skip
 
