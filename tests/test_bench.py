@@ -326,6 +326,25 @@ def test_bench_prefill_without_peer_skips_what_does_not_fit(tmp_path, capsys):
     assert "100 tokens: over max model len 64" in capsys.readouterr().out
 
 
+def test_bench_prefill_profile_writes_trace_tables_per_length(tmp_path):
+    """``--profile DIR``: one more prefill of each length under the profiler, its trace, its
+    ops table and its kernel table in DIR (per prefill), the summary in the point."""
+    out, prof = tmp_path / "prefill.json", tmp_path / "prof"
+    n = random.randint(20, 60)
+    argv = ["bench", "prefill", "--model", "dummy:tiny", "--device", "cpu", "--tokens", str(n),
+            "--rounds", "1", "--no-peer", "--profile", str(prof), "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    summary = point["profile"]
+    assert json.loads((prof / f"prefill-{n}.json").read_text())["traceEvents"]
+    table = (prof / f"prefill-{n}.txt").read_text()
+    assert table.startswith("1 prefill, ") and "aten::" in table
+    launches = (prof / f"prefill-{n}-launches.txt").read_text().splitlines()
+    assert launches[0] == table.splitlines()[0] and "calls/prefill" in launches[1]
+    assert summary["wall_us_per_prefill"] > 0 and summary["launches"].endswith("launches.txt")
+
+
 def test_bench_prefill_rejects_zero_rounds(capsys):
     argv = ["bench", "prefill", "--model", "dummy:tiny", "--device", "cpu", "--rounds", "0"]
     assert main(argv) == 2

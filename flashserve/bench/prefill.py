@@ -8,7 +8,9 @@ peer, Hugging Face transformers (SDPA attention) on our very weights, runs one f
 same ids (logits of the last token only, a fresh KV cache, as ``generate`` prefills) and picks
 the greedy token. Rounds alternate ours and the peer, each round with fresh ids (no cache can
 help either side); one untimed round at the smallest length comes first. The table gives the
-medians. On a GPU (``--device cuda``) the same command measures long prompts (32K, 128K).
+medians. On a GPU (``--device cuda``) the same command measures long prompts (32K, 128K);
+``--profile DIR`` then shows where the time goes (attention, the linear layers, the rest:
+``flashserve.bench.profiling``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from flashserve.bench.decode import parse_sizes
 from flashserve.bench.hardware import peak_memory, reset_peak_memory, synchronize
+from flashserve.bench.profiling import profile_run
 from flashserve.bench.report import progress, publish, run_metadata, table
 from flashserve.cli import args as cli
 from flashserve.sampling.params import SamplingParams
@@ -39,6 +42,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per length (default 3)")
     parser.add_argument("--no-peer", action="store_true", help="skip Hugging Face transformers")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after each length's timed rounds, prefill once more under the torch profiler: "
+        "a Chrome trace, the busiest ops and the GPU kernels by name and grid in DIR",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every result to FILE")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     cli.add_engine_args(parser)
@@ -127,6 +136,11 @@ def _measure(engine, peer, args: argparse.Namespace) -> list[dict[str, Any]]:
             point.update(status="skipped", note=f"over max model len {engine.max_model_len}")
         else:
             _measure_point(engine, peer, point, args.rounds, gen, device)
+            if args.profile:
+                ids = _random_ids(engine, n, gen)
+                point["profile"] = profile_run(lambda ids=ids: time_ours(engine, ids), device,
+                                               args.profile, f"prefill-{n}", 1, "prefill",
+                                               "prefill")  # fmt: skip
         points.append(point)
     return points
 
