@@ -484,7 +484,9 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 HOPPER_SMEM = 225 << 10  # H100: 227 KiB of shared memory per block, less barriers and scratch
 
 
-def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, int, int, int, int]:
+def hopper_config(
+    head_dim: int, dtype: torch.dtype, page: int, fp8: bool = False
+) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs_per_sm) of the Hopper path: the
     portable sweep's tiles with the KV tile cut to the page (a tile is one page's run), as
     many copy stages as shared memory holds beside the query tile (up to 4: at d128, (128,
@@ -506,17 +508,21 @@ def hopper_config(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, in
     plain grid); d64 380.0 / 339.0 (64, 64, 4, 4, 2). So d64 takes (64, 64, 4, 4, 2), the
     fp8 best and bf16's second (220.0 where the one-program default took 257.4; (128, 64, 8,
     4, 2) 202.8 is level with the old default over fp8, 380.7). d128 at the pages the engine
-    gives it is within 0.5% of the best; d256 (Gemma 2/3, whose windows take this path) loses
-    1.5% (bf16) and 4% (fp8, to a plain grid that loses at d128): not changed."""
+    gives it is within 0.5% of the best. d256 (Gemma 2/3, whose windows take this path): bf16
+    keeps the default (1.5% behind (64, 64, 4, 3, 1), which loses 25% over fp8); over an fp8
+    cache (``fp8``) the same tiles run as a plain grid (1,073.2 where persistent took
+    1,118.6; at d128 the plain grid loses 11% at 4K)."""
     if dtype == torch.float32:
         return 32, min(32, page), 4, 1, 1  # ieee fp32 dots: small tiles (tests, not speed)
     bm, bn, warps, _ = prefill_config(head_dim, dtype)
     per_sm = 1
     if head_dim <= 64:  # 64-query tiles of 4 warps, two programs an SM (the sweep above)
         bm, warps, per_sm = 64, 4, 2
+    elif head_dim > 128 and fp8:  # a plain grid (the sweep above)
+        per_sm = 0
     bn = min(bn, page)
     size = dtype.itemsize
-    stages = (HOPPER_SMEM // per_sm - bm * head_dim * size) // (2 * bn * head_dim * size)
+    stages = (HOPPER_SMEM // max(per_sm, 1) - bm * head_dim * size) // (2 * bn * head_dim * size)
     return bm, bn, warps, max(1, min(stages, 4)), per_sm
 
 
@@ -621,7 +627,7 @@ def _pick_path(path: str, q, k_cache, v_cache, fp8: bool, config) -> tuple[bool,
         raise ValueError(f'config {config!r} is for path="gluon"; this path takes a tuple')
     d, page = q.shape[2], k_cache.shape[1]
     if path != "portable":
-        cfg = tuple(config) if config else hopper_config(d, q.dtype, page)
+        cfg = tuple(config) if config else hopper_config(d, q.dtype, page, fp8)
         cfg = cfg if len(cfg) == 5 else (*cfg, 1)
         why = hopper_refusal(q, k_cache, v_cache, cfg[1])
         if path == "hopper":

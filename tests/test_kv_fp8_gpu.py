@@ -277,7 +277,7 @@ def test_prefill_hopper_fp8_bf16(d, page, per_sm):
     kd, vd = kv.dequantized()
     poison(kv, lens, page)
     q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-    cfg = hopper_config(d, torch.bfloat16, page)
+    cfg = hopper_config(d, torch.bfloat16, page, fp8=True)
     cfg = cfg if per_sm is None else (*cfg[:4], per_sm)
     check_prefill(q, qlens, kv, (kd, vd), f"fp8 hopper prefill d={d} page={page} {cfg}",
                   config=cfg, path="hopper")  # fmt: skip
