@@ -86,6 +86,7 @@ from kernels.common import (
     softcap_factors,
     softcap_log2,
 )
+from kernels.kv_dequant import dequantize_pages, scratch_tables
 from kernels.kv_quant import V_SCALE_SHIFT, check_kv_scales, is_head_major
 from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, PATHS, gluon_triton_refusal
 
@@ -619,6 +620,20 @@ def _auto_gluon(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, con
         return None
 
 
+def _auto_gluon_fp8(q, k_cache, window: int, softcap: float, config, scratch, bsz: int,
+                    pages: int):  # fmt: skip
+    """What ``path="auto"`` over an fp8 cache runs the Gluon kernel with on the 16-bit
+    ``scratch`` pools (``kernels.kv_dequant``), or None (the Hopper or portable path over the
+    fp8 cache): as ``_auto_gluon`` for a 16-bit cache of the scratch's pages, when ``bsz``
+    sequences of ``pages`` pages each fit in it."""
+    if scratch is None or config is not None or window or softcap:
+        return None
+    k16, v16 = scratch
+    if k16.dtype != q.dtype or k16.shape[1:] != k_cache.shape[1:] or bsz * pages > k16.shape[0]:
+        return None
+    return _auto_gluon(q, k16, v16, False, 0, 0.0, None)
+
+
 def _pick_path(path: str, q, k_cache, v_cache, fp8: bool, config) -> tuple[bool, tuple]:
     """(whether the Hopper path runs, the 5-entry config; programs_per_sm 0 on the portable
     path): ``"auto"`` takes the Hopper path on sm_90 with pages of >= HOPPER_MIN_PAGE tokens
@@ -660,11 +675,13 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     path: str = "portable",
+    fp8_scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Causal attention of each chunk over its cached context plus itself (see module doc).
 
     ``max_query_len`` (host int) sizes the grid; if None it is read from ``cu_seqlens_q`` (a
-    device sync). ``max_seq_len`` is accepted for interface parity and unused. ``config`` =
+    device sync). ``max_seq_len`` (host int, >= every ``seq_lens[b]``; None: the block
+    table's width) bounds the pages ``fp8_scratch`` must hold. ``config`` =
     (BLOCK_M, BLOCK_N, num_warps, num_stages[, programs_per_sm]) overrides the tuning; the
     fifth entry is the Hopper path's persistent programs per SM (default 1; 0: no persistent
     loop, one program per work item). ``path``: ``"portable"`` (the default: every GPU and the
@@ -677,10 +694,12 @@ def prefill_attention(
     0: a query at position p sees keys ``p - window < j <= p`` only, and the pages left of its
     window are not read; ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``
     (0: off). An fp8 cache (``float8_e4m3fn`` pages) comes with its scale pools
-    ``k_scale``/``v_scale`` ``[N, Hkv, BS]`` (``kernels.kv_quant``).
+    ``k_scale``/``v_scale`` ``[N, Hkv, BS]`` (``kernels.kv_quant``). ``fp8_scratch``: two
+    16-bit pools ``[S, BS, Hkv, D]`` of q's dtype; with ``path="auto"`` over an fp8 cache,
+    where the Gluon kernel would take a 16-bit cache and the batch's pages fit in them, the
+    pages are dequantized into them (``kernels.kv_dequant``) and the Gluon kernel reads those.
     Returns ``out`` [T, Hq, D], and ``lse`` [T, Hq] fp32 (natural log) if ``return_lse``.
     """
-    del max_seq_len
     window, softcap = check_window_softcap(window, softcap)
     t, hq, d = q.shape
     _, page, hkv, dk = k_cache.shape
@@ -708,9 +727,14 @@ def prefill_attention(
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if return_lse else None
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    gluon = None
+    gluon = dequant = None
     if path == "gluon":  # refused before the empty-batch return: the answer must not depend on T
         gluon = _gluon_config(q, k_cache, v_cache, fp8, window, softcap, config)
+    elif path == "auto" and fp8:
+        pages = block_tables.shape[1] if max_seq_len is None else triton.cdiv(max_seq_len, page)
+        pages = min(pages, block_tables.shape[1])
+        gluon = _auto_gluon_fp8(q, k_cache, window, softcap, config, fp8_scratch, bsz, pages)
+        dequant = pages if gluon is not None else None
     elif path == "auto":
         gluon = _auto_gluon(q, k_cache, v_cache, fp8, window, softcap, config)
     if t == 0 or bsz == 0:
@@ -719,8 +743,13 @@ def prefill_attention(
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if gluon is not None:
         module, gluon_cfg = gluon
-        module.gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                             max_query_len, out, lse, gluon_cfg)  # fmt: skip
+        caches, tables = (k_cache, v_cache), block_tables
+        if dequant is not None:  # the fp8 pages into the 16-bit scratch, read from there
+            caches, tables = fp8_scratch, scratch_tables(bsz, dequant, q.device)
+            dequantize_pages(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                             dequant, *caches)  # fmt: skip
+        module.gluon_prefill(q, *caches, cu_seqlens_q, seq_lens, tables, scale, max_query_len,
+                             out, lse, gluon_cfg)  # fmt: skip
         return (out, lse) if return_lse else out
 
     hopper, (block_m, block_n, num_warps, num_stages, per_sm) = _pick_path(

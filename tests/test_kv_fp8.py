@@ -410,6 +410,86 @@ def _head_major(kv: Fp8Paged) -> Fp8Paged:
     return hm
 
 
+# ---------------------------------------------------------------- fp8 pages into 16-bit scratch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_dequantize_pages_writes_each_sequences_pages_into_its_scratch_pages(dtype, head_major):
+    """Page j of sequence b (its first seq_lens[b] tokens, the last page whole) lands in
+    scratch page b * P + j as ``q * scale`` rounded once to the scratch's dtype (the GPU's
+    rounding; the interpreter truncates to bf16), from token-row or head-major pools; scratch
+    pages past a sequence's last keep what they held."""
+    from kernels.kv_dequant import dequantize_pages, scratch_tables
+
+    page, hkv, d = 16, 2, 64
+    lens = [int(n) for n in torch.randint(1, 70, (3,))]
+    kv = _head_major(Fp8Paged(lens, hkv, d, page)) if head_major else Fp8Paged(lens, hkv, d, page)
+    pages = max(-(-n // page) for n in lens) + 1  # one to spare: never written
+    out = [torch.full((len(lens) * pages + 2, page, hkv, d), 7.0, dtype=dtype, device=DEVICE)
+           for _ in range(2)]  # fmt: skip
+    dequantize_pages(kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_tables, kv.seq_lens, pages,
+                     *out)  # fmt: skip
+    table = scratch_tables(len(lens), pages, DEVICE)
+    assert table.tolist() == [[b * pages + j for j in range(pages)] for b in range(len(lens))]
+    for b, n in enumerate(lens):
+        for j in range(pages):
+            for got, want in zip(out, (kv.kd, kv.vd)):
+                dst = got[table[b, j]]
+                if j * page < n:
+                    src = want[kv.block_tables[b, j].long()].float()
+                    if dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter truncates
+                        gap = (dst.float() - src).abs()  # to bf16: within one step, 2^-7
+                        assert (gap <= src.abs() * 2.0**-7).all(), (b, j)
+                    else:
+                        assert torch.equal(dst, src.to(dtype)), (b, j)
+                else:
+                    assert (dst == 7.0).all(), (b, j)
+    assert (out[0][len(lens) * pages :] == 7.0).all()
+
+
+def test_prefill_over_dequantized_pages_equals_prefill_over_the_fp8_cache():
+    """What ``path="auto"`` does on sm_90 with ``fp8_scratch`` (the Gluon kernel over the
+    16-bit copy), with the portable kernel here: the pages into fp32 scratch (exact), the
+    scratch's block table, the kernel over it, against the reference on the fp8 cache; NaN
+    bytes and scales past each sequence's end ride along into the scratch and stay masked."""
+    from kernels.kv_dequant import dequantize_pages, scratch_tables
+
+    page, hq, hkv, d = 16, 4, 2, 64
+    qlens, ctx = [1, 17, 40], [30, 0, 45]
+    kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
+    bad = _poisoned(kv)
+    pages = max(-(-n // page) for n in bad.lens)
+    scratch = [torch.full((len(qlens) * pages, page, hkv, d), float("nan"), device=DEVICE)
+               for _ in range(2)]  # fmt: skip
+    dequantize_pages(bad.k, bad.v, bad.k_scale, bad.v_scale, bad.block_tables, bad.seq_lens,
+                     pages, *scratch)  # fmt: skip
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE)
+    cu = cu_of(qlens, DEVICE)
+    out, lse = prefill_attention(q, *scratch, cu, bad.seq_lens,
+                                 scratch_tables(len(qlens), pages, DEVICE), d**-0.5,
+                                 max_query_len=max(qlens), return_lse=True)  # fmt: skip
+    ref, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                               kv.block_tables, d**-0.5,
+                                               return_lse=True)  # fmt: skip
+    assert_close(out, ref, TOL[torch.float32], "prefill over the dequantized pages")
+    assert_close(lse, ref_lse, LSE_TOL[torch.float32], "its lse")
+
+
+def test_dequantize_pages_checks_its_inputs():
+    from kernels.kv_dequant import dequantize_pages
+
+    kv = Fp8Paged([20], 2, 64, 16)
+    out = [torch.empty(2, 16, 2, 64, device=DEVICE) for _ in range(2)]
+    args = (kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_tables, kv.seq_lens)
+    with pytest.raises(ValueError, match="out_k must be contiguous"):
+        dequantize_pages(*args, 3, *out)  # 3 pages a sequence, 2 in the scratch
+    with pytest.raises(ValueError, match="takes an fp8 cache"):
+        dequantize_pages(kv.kd.float(), kv.vd.float(), None, None, *args[4:], 2, *out)
+    with pytest.raises(ValueError, match="block_tables"):
+        dequantize_pages(*args, 5, *[torch.empty(5, 16, 2, 64, device=DEVICE)] * 2)
+
+
 def test_new_kv_pool_layouts_and_the_rule():
     tm = new_kv_pool(3, 16, 2, 8, FP8_KV_DTYPE, DEVICE)
     hm = new_kv_pool(3, 16, 2, 8, FP8_KV_DTYPE, DEVICE, head_major=True, zeros=True)

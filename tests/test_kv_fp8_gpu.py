@@ -355,6 +355,64 @@ def test_prefill_auto_takes_hopper_over_fp8():
         assert torch.equal(auto, same), (page, picked)
 
 
+def _skip_without_gluon():
+    import triton
+
+    from kernels.prefill_paths import gluon_triton_refusal
+
+    _skip_off_sm90()
+    if gluon_triton_refusal(triton.__version__):
+        pytest.skip(gluon_triton_refusal(triton.__version__))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page,head_major", [(128, True), (64, False)])
+def test_prefill_auto_over_fp8_runs_gluon_on_the_dequantized_pages(d, page, head_major,
+                                                                   monkeypatch):  # fmt: skip
+    """``path="auto"`` over an fp8 cache with ``fp8_scratch``: the pages dequantized into the
+    scratch and the Gluon kernel reading it (the engine's default on sm_90: 128-token pages of
+    a head's rows together), GQA, chunks after cached context, a 1-token chunk, NaN bytes and
+    scales past each end, the scratch NaN where nothing is written; output and LSE against the
+    reference on the dequantized cache. With a scratch one page too short, the Hopper path over
+    the fp8 cache (no Gluon call), the same answer within the tolerance."""
+    from kernels import prefill_gluon
+    from kernels.kv_quant import new_kv_pool
+
+    _skip_without_gluon()
+    hq, hkv = (32, 8) if d == 128 else (16, 4)
+    qlens, ctx = [2048, 1, 700, 300], [6000, 5000, 0, 64]
+    lens = [a + b for a, b in zip(qlens, ctx)]
+    kv = Fp8Pools(lens, hkv, d, page)
+    if head_major:
+        for name in ("k", "v"):
+            pool = getattr(kv, name)
+            hm = new_kv_pool(*pool.shape, pool.dtype, pool.device, head_major=True)
+            hm.view(torch.uint8).copy_(pool.view(torch.uint8))
+            setattr(kv, name, hm)
+    kd, vd = kv.dequantized()
+    poison(kv, lens, page)
+    pages = max(-(-n // page) for n in lens)
+    scratch = tuple(torch.full((len(lens) * pages, page, hkv, d), float("nan"),
+                               dtype=torch.bfloat16, device="cuda") for _ in range(2))  # fmt: skip
+    called = []
+    run = prefill_gluon.gluon_prefill
+
+    def spy(q, k, v, *args):
+        called.append(k.data_ptr() == scratch[0].data_ptr())
+        return run(q, k, v, *args)
+
+    monkeypatch.setattr(prefill_gluon, "gluon_prefill", spy)
+    q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
+    what = f"fp8 auto prefill over dequantized pages d={d} page={page}"
+    check_prefill(q, qlens, kv, (kd, vd), what, path="auto", fp8_scratch=scratch,
+                  max_seq_len=max(lens))  # fmt: skip
+    assert called == [True]
+    short = tuple(x[: len(lens) * pages - 1] for x in scratch)
+    check_prefill(q, qlens, kv, (kd, vd), f"{what}, scratch too short", path="auto",
+                  fp8_scratch=short, max_seq_len=max(lens))  # fmt: skip
+    assert called == [True]
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_prefill_hopper_fp8_sweep_configs_are_right(d):
     """Every config ``kernels.bench --sweep hopper --kv-dtype fp8`` times (HOPPER_CONFIGS and
@@ -483,11 +541,19 @@ def test_fp8_triton_engine_tokens_are_the_torch_fp8_engines_choices(prompts, enf
     read by the Triton kernels and by the torch backend: the Triton engine's tokens are the
     torch engine's choices within rounding. bf16 rounding differences of the K/V (an ulp,
     2^-8) move an element across an e4m3 rounding boundary (steps of 2^-3) about 3% of the
-    time, so the fp8 slack applies, not bf16's alone."""
+    time, so the fp8 slack applies, not bf16's alone. On sm_90 under Triton 3.6 the prompts
+    prefill through the Gluon kernel over dequantized pages (the runner's scratch)."""
+    import triton
+
     from flashserve.sampling.params import SamplingParams
+    from kernels.prefill_paths import gluon_triton_refusal
 
     params = SamplingParams(max_new_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
     llm = _llm(attention_backend="triton", enforce_eager=enforce_eager, kv_cache_dtype="fp8")
+    gluon = torch.cuda.get_device_capability() == (9, 0) and not gluon_triton_refusal(
+        triton.__version__
+    )
+    assert (llm.engine.runner.fp8_prefill_scratch is not None) == gluon
     outputs = [c.token_ids for c in llm.generate(prompts, params)]
     _release(llm)
     ref = _llm(attention_backend="torch", enforce_eager=True, kv_cache_dtype="fp8")

@@ -40,10 +40,14 @@ from kernels.kv_quant import (
     kv_scale_shape,
     new_kv_pool,
 )
+from kernels.prefill_paths import HOPPER_HEAD_DIMS, HOPPER_MIN_PAGE, gluon_triton_refusal
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_BYTES = 2 << 30  # default KV pool on CPU: 2 GiB (allocated lazily by the OS)
+# the longest context whose fp8 pages the prefill dequantizes for the Gluon kernel: a 16-bit
+# copy of one layer's K and V (512 MiB at 8 KV heads of 128); longer ones take the Hopper path
+FP8_PREFILL_SCRATCH_TOKENS = 131072
 
 
 @dataclass
@@ -110,6 +114,10 @@ class ModelRunner:
         self.kv_bytes_per_token = mc.num_hidden_layers * kv_bytes_per_token_layer(
             kv_heads, mc.head_dim, self.kv_dtype
         )
+        # allocated before the pool is planned, so that it comes out of the pool's memory
+        self.fp8_prefill_scratch = self._fp8_prefill_scratch()
+        if self.fp8_prefill_scratch is not None:
+            model.backend.use_fp8_prefill_scratch(self.fp8_prefill_scratch)
         # every rank's pool holds the same number of blocks, the smallest any rank can hold:
         # the one scheduler's block tables are then valid on each
         self.num_blocks = self.tp.min_int(self._plan_num_blocks())
@@ -164,6 +172,40 @@ class ModelRunner:
         scales = kv_scale_shape(self.num_blocks, *self.kv_shape[:2])
         return (*pools, *(alloc(scales, dtype=KV_SCALE_DTYPE, device=self.device)
                           for _ in range(2)))  # fmt: skip
+
+    def _fp8_prefill_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Two 16-bit pools for one sequence's pages (up to ``FP8_PREFILL_SCRATCH_TOKENS``),
+        into which the prefill over an fp8 cache dequantizes a chunk's context to read it with
+        the Gluon kernel (``kernels.kv_dequant``: the first token of a long prompt about as
+        fast as over a bf16 cache); None where that kernel would not run: it needs the triton
+        backend with the auto prefill path on an sm_90 GPU under Triton 3.6, pages of >= 64
+        tokens, a 16-bit model of a head dim it takes, and a layer without a window or
+        soft-capping."""
+        config, mc = self.config, self.model_config
+        if config.kv_cache_dtype != "fp8" or self.device.type != "cuda":
+            return None
+        if config.attention_backend != "triton" or config.prefill_path != "auto":
+            return None
+        if config.torch_dtype not in (torch.bfloat16, torch.float16):
+            return None
+        if self.block_size < HOPPER_MIN_PAGE or mc.head_dim not in HOPPER_HEAD_DIMS:
+            return None
+        if mc.attn_logit_softcap > 0 or min(mc.layer_windows) > 0:
+            return None
+        import triton
+
+        if torch.cuda.get_device_capability(self.device) != (9, 0):
+            return None
+        if gluon_triton_refusal(triton.__version__) is not None:
+            return None
+        tokens = min(self._model_len_limit(), FP8_PREFILL_SCRATCH_TOKENS)
+        pages = -(-tokens // self.block_size)
+        scratch = tuple(torch.empty(pages, *self.kv_shape, dtype=config.torch_dtype,
+                                    device=self.device) for _ in range(2))  # fmt: skip
+        logger.info("fp8 KV cache: a %s copy of one layer's K and V for %d tokens (%.2f GiB) "
+                    "for the Gluon prefill kernel", config.dtype, pages * self.block_size,
+                    2 * scratch[0].nbytes / 2**30)  # fmt: skip
+        return scratch
 
     def _landing_buffers(self) -> list[torch.Tensor]:
         """Two pinned float64 buffers of ``2 * max_num_seqs`` that launched steps copy their

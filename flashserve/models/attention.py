@@ -194,6 +194,11 @@ class TritonBackend(AttentionBackend):
         ops = {name: partial(fn, chain=self.pdl_chain) for name, fn in chained.items()}
         return {**ops, "prefill_attention": partial(prefill_attention, path=self.prefill_path)}
 
+    def use_fp8_prefill_scratch(self, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Two 16-bit pools that the prefill kernel may dequantize an fp8 cache's pages into,
+        to read them with the Gluon kernel (``kernels.prefill``'s ``fp8_scratch``)."""
+        self.prefill_attention = partial(self.prefill_attention, fp8_scratch=scratch)
+
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
 
