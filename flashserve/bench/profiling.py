@@ -81,8 +81,7 @@ def launch_table(trace: dict, steps: int, unit: str = "step") -> str:
     """The GPU kernels of a Chrome trace (``torch.profiler``'s export) grouped by name and grid,
     most total time first: calls per step (``steps`` of them, each a ``unit``: a decode step,
     a prefill), mean, fastest and median µs a call, total µs per step, share of the kernels'
-    time. Kernels under the PDL chain span their wait for the
-    kernel before them too."""
+    time. Kernels under the PDL chain span their wait for the kernel before them too."""
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     for ev in trace.get("traceEvents", []):
         if ev.get("cat") != "kernel" or "dur" not in ev:
