@@ -77,6 +77,40 @@ def test_cli_refuses_a_bad_kv_cache_dtype_in_one_line(capsys, value, message):
 # ---- the pools ------------------------------------------------------------------------------
 
 
+def test_fp8_prefill_scratch_only_where_the_gluon_kernel_runs():
+    """The runner's 16-bit copy for the prefill over an fp8 cache (``fp8_prefill_scratch_tokens``):
+    the context rounded up to whole blocks, at most 128K tokens, for an fp8 cache on the triton
+    backend with the auto path on sm_90 under Triton 3.6, a 16-bit model, head dims 64 / 128 /
+    256, blocks of >= 64 tokens and some layer without a window or soft-capping; else none."""
+    from types import SimpleNamespace
+
+    from flashserve.engine.model_runner import FP8_PREFILL_SCRATCH_TOKENS as MOST
+    from flashserve.engine.model_runner import fp8_prefill_scratch_tokens
+
+    block = random.choice([64, 128, 256])
+    config = SimpleNamespace(kv_cache_dtype="fp8", attention_backend="triton", prefill_path="auto",
+                             torch_dtype=torch.bfloat16, block_size=block)  # fmt: skip
+    model = SimpleNamespace(head_dim=128, attn_logit_softcap=0.0, layer_windows=(4096, 0))
+    length = random.randint(1, 3 * MOST)
+
+    def tokens(capability=(9, 0), triton="3.6.0", **change):
+        c = SimpleNamespace(**{**vars(config), **change})
+        m = SimpleNamespace(**{k: change.get(k, v) for k, v in vars(model).items()})
+        return fp8_prefill_scratch_tokens(c, m, length, capability, triton)
+
+    assert tokens() == -(-min(length, MOST) // block) * block
+    assert tokens(torch_dtype=torch.float16) == tokens() > 0
+    for head_dim in (64, 256):
+        assert tokens(head_dim=head_dim) == tokens()
+    refused = [{"kv_cache_dtype": "bfloat16"}, {"attention_backend": "torch"},
+               {"prefill_path": "hopper"}, {"prefill_path": "portable"},
+               {"torch_dtype": torch.float32}, {"block_size": 16}, {"head_dim": 96},
+               {"attn_logit_softcap": 50.0}, {"layer_windows": (4096, 4096)},
+               {"capability": (8, 9)}, {"capability": (10, 0)}, {"triton": "3.9.0"}]  # fmt: skip
+    for change in refused:
+        assert tokens(**change) == 0, change
+
+
 def test_fp8_pools_and_their_bytes():
     llm = LLM(EngineConfig(**TINY, kv_cache_dtype="fp8", max_kv_tokens=1024))
     runner, mc = llm.engine.runner, llm.engine.model_config

@@ -50,6 +50,30 @@ CPU_KV_BYTES = 2 << 30  # default KV pool on CPU: 2 GiB (allocated lazily by the
 FP8_PREFILL_SCRATCH_TOKENS = 131072
 
 
+def fp8_prefill_scratch_tokens(
+    config: EngineConfig, model_config, max_len: int, capability: tuple[int, int], triton: str
+) -> int:
+    """Tokens of the 16-bit copy of one layer's K and V that the prefill over an fp8 cache
+    reads with the Gluon kernel (``ModelRunner._fp8_prefill_scratch``): the context length
+    ``max_len`` (at most ``FP8_PREFILL_SCRATCH_TOKENS``) rounded up to whole blocks; 0 where
+    that kernel would not run: it needs an fp8 cache on the triton backend with the auto
+    prefill path, a GPU of ``capability`` (9, 0) under a Triton (version ``triton``) whose
+    Gluon it is written in, pages of >= 64 tokens, a 16-bit model of a head dim it takes, and
+    a layer without a window or soft-capping."""
+    if config.kv_cache_dtype != "fp8" or config.attention_backend != "triton":
+        return 0
+    if config.prefill_path != "auto" or config.torch_dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if config.block_size < HOPPER_MIN_PAGE or model_config.head_dim not in HOPPER_HEAD_DIMS:
+        return 0
+    if model_config.attn_logit_softcap > 0 or min(model_config.layer_windows) > 0:
+        return 0
+    if capability != (9, 0) or gluon_triton_refusal(triton) is not None:
+        return 0
+    tokens = min(max_len, FP8_PREFILL_SCRATCH_TOKENS)
+    return -(-tokens // config.block_size) * config.block_size
+
+
 @dataclass
 class StepInputs:
     """A step's device tensors for an eager forward (views into the step's upload)."""
@@ -174,36 +198,25 @@ class ModelRunner:
                           for _ in range(2)))  # fmt: skip
 
     def _fp8_prefill_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Two 16-bit pools for one sequence's pages (up to ``FP8_PREFILL_SCRATCH_TOKENS``),
-        into which the prefill over an fp8 cache dequantizes a chunk's context to read it with
-        the Gluon kernel (``kernels.kv_dequant``: the first token of a long prompt about as
-        fast as over a bf16 cache); None where that kernel would not run: it needs the triton
-        backend with the auto prefill path on an sm_90 GPU under Triton 3.6, pages of >= 64
-        tokens, a 16-bit model of a head dim it takes, and a layer without a window or
-        soft-capping."""
-        config, mc = self.config, self.model_config
-        if config.kv_cache_dtype != "fp8" or self.device.type != "cuda":
-            return None
-        if config.attention_backend != "triton" or config.prefill_path != "auto":
-            return None
-        if config.torch_dtype not in (torch.bfloat16, torch.float16):
-            return None
-        if self.block_size < HOPPER_MIN_PAGE or mc.head_dim not in HOPPER_HEAD_DIMS:
-            return None
-        if mc.attn_logit_softcap > 0 or min(mc.layer_windows) > 0:
+        """Two 16-bit pools of ``fp8_prefill_scratch_tokens`` tokens, into which the prefill
+        over an fp8 cache dequantizes a chunk's context to read it with the Gluon kernel
+        (``kernels.kv_dequant``: the first token of a long prompt about as fast as over a bf16
+        cache); None where that kernel would not run."""
+        if self.device.type != "cuda":
             return None
         import triton
 
-        if torch.cuda.get_device_capability(self.device) != (9, 0):
+        capability = torch.cuda.get_device_capability(self.device)
+        tokens = fp8_prefill_scratch_tokens(self.config, self.model_config,
+                                            self._model_len_limit(), capability,
+                                            triton.__version__)  # fmt: skip
+        if not tokens:
             return None
-        if gluon_triton_refusal(triton.__version__) is not None:
-            return None
-        tokens = min(self._model_len_limit(), FP8_PREFILL_SCRATCH_TOKENS)
-        pages = -(-tokens // self.block_size)
-        scratch = tuple(torch.empty(pages, *self.kv_shape, dtype=config.torch_dtype,
+        pages = tokens // self.block_size
+        scratch = tuple(torch.empty(pages, *self.kv_shape, dtype=self.config.torch_dtype,
                                     device=self.device) for _ in range(2))  # fmt: skip
         logger.info("fp8 KV cache: a %s copy of one layer's K and V for %d tokens (%.2f GiB) "
-                    "for the Gluon prefill kernel", config.dtype, pages * self.block_size,
+                    "for the Gluon prefill kernel", self.config.dtype, tokens,
                     2 * scratch[0].nbytes / 2**30)  # fmt: skip
         return scratch
 
