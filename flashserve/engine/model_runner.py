@@ -202,8 +202,8 @@ class ModelRunner:
         over an fp8 cache dequantizes a chunk's context to read it with the Gluon kernel
         (``kernels.kv_dequant``: the first token of a long prompt about as fast as over a bf16
         cache); None where that kernel would not run."""
-        if self.device.type != "cuda":
-            return None
+        if self.device.type != "cuda" or self.config.attention_backend != "triton":
+            return None  # (and Triton may not be there to ask its version)
         import triton
 
         capability = torch.cuda.get_device_capability(self.device)
