@@ -3,8 +3,9 @@ kernel (which reads 16-bit pools only) prefills over an fp8 cache (``kernels.pre
 ``path="auto"``).
 
 Why a copy pays: over an fp8 cache the Hopper path converts every e4m3 K/V tile to f16 for
-each 128-query tile that reads it, through shared memory, and the first token of 128K took
-17.0 s where the Gluon kernel over bf16 takes 10.6 (docs/benchmarks/fp8.md). Dequantizing a
+each 128-query tile that reads it, through shared memory: the first token of 128K (Llama-3-8B's
+shape, H200) took 17.2 s that way and takes 10.9 s this way, where a bf16 cache's takes 10.66
+on an H100 (docs/benchmarks/fp8.md, 2026-11-27). Dequantizing a
 chunk's context once per layer costs its bytes instead: read 1 byte, write 2, read 2 back per
 element, about 0.45 s over the 64 chunks of a 128K prompt of Llama-3-8B's shape at 3 TB/s
 (the sum of the chunks' contexts, 4.1M tokens, times 2,048 elements a token a layer, times 5
