@@ -80,7 +80,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--profile",
         metavar="DIR",
         help="after each point's timed steps, profile a few more with the torch profiler: "
-        "a Chrome trace and a table of the busiest ops per point in DIR",
+        "a Chrome trace, the busiest ops and the GPU kernels by name and grid per point in DIR",
     )
     parser.add_argument("--json", metavar="FILE", help="write every result to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="plot tokens/s against context")
