@@ -22,8 +22,6 @@ there, which the kernels mask as they do over the cache itself).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -71,11 +69,9 @@ def _dequant_pages_kernel(
             tl.store(OutV + out, v.to(OutV.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=8)
 def scratch_tables(batch: int, pages_per_seq: int, device: torch.device) -> torch.Tensor:
     """The block table ``[batch, pages_per_seq]`` int32 over a scratch pool that
-    ``dequantize_pages`` filled: sequence ``b``'s page ``j`` is scratch page ``b * P + j``.
-    Built once for a step's layers (they all ask for the same one); read-only."""
+    ``dequantize_pages`` filled: sequence ``b``'s page ``j`` is scratch page ``b * P + j``."""
     n = batch * pages_per_seq
     return torch.arange(n, dtype=torch.int32, device=device).view(batch, pages_per_seq)
 

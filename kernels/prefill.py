@@ -729,14 +729,14 @@ def prefill_attention(
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if return_lse else None
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    gluon = scratch_pages = None
+    gluon = dequant = None
     if path == "gluon":  # refused before the empty-batch return: the answer must not depend on T
         gluon = _gluon_config(q, k_cache, v_cache, fp8, window, softcap, config)
     elif path == "auto" and fp8:
         pages = block_tables.shape[1] if max_seq_len is None else triton.cdiv(max_seq_len, page)
         pages = min(pages, block_tables.shape[1])
         gluon = _auto_gluon_fp8(q, k_cache, window, softcap, config, fp8_scratch, bsz, pages)
-        scratch_pages = pages if gluon is not None else None
+        dequant = pages if gluon is not None else None
     elif path == "auto":
         gluon = _auto_gluon(q, k_cache, v_cache, fp8, window, softcap, config)
     if t == 0 or bsz == 0:
@@ -746,10 +746,10 @@ def prefill_attention(
     if gluon is not None:
         module, gluon_cfg = gluon
         caches, tables = (k_cache, v_cache), block_tables
-        if scratch_pages is not None:  # the fp8 pages into the 16-bit scratch, read from there
-            caches, tables = fp8_scratch, scratch_tables(bsz, scratch_pages, q.device)
+        if dequant is not None:  # the fp8 pages into the 16-bit scratch, read from there
+            caches, tables = fp8_scratch, scratch_tables(bsz, dequant, q.device)
             dequantize_pages(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                             scratch_pages, *caches)  # fmt: skip
+                             dequant, *caches)  # fmt: skip
         module.gluon_prefill(q, *caches, cu_seqlens_q, seq_lens, tables, scale, max_query_len,
                              out, lse, gluon_cfg)  # fmt: skip
         return (out, lse) if return_lse else out
