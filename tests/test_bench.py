@@ -172,12 +172,12 @@ def test_step_collectives_of_a_70b_split_over_two_ranks():
     from flashserve.models.presets import preset_config
 
     shape = StepCollectives.of(preset_config("llama3.1-70b"), 2, torch.bfloat16)
-    assert (shape.hidden, shape.all_reduces, shape.vocab_rows) == (8192, 2 * 80 + 1, 64128)
-    assert shape.all_reduces_at(1) == shape.all_reduces_at(64) == 161
-    # --tp-all-reduce fused: decode-sized steps keep only the embeddings' all-reduce
+    assert (shape.hidden, shape.all_reduces, shape.vocab_rows) == (8192, 2 * 80, 64128)
+    assert shape.all_reduces_at(1) == shape.all_reduces_at(64) == 160
+    # --tp-all-reduce fused: decode-sized steps keep no all-reduce (the embeddings are whole)
     folded = StepCollectives.of(preset_config("llama3.1-70b"), 2, torch.bfloat16, "fused")
     assert (folded.all_reduces_at(1), folded.all_reduces_at(16), folded.all_reduces_at(17)) == (
-        1, 1, 161)  # fmt: skip
+        0, 0, 160)  # fmt: skip
 
 
 def test_timing_collectives_names_the_rank_that_failed():

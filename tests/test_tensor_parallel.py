@@ -34,6 +34,7 @@ from flashserve.loaders.hf import Checkpoint
 from flashserve.models.config import ModelConfig
 from flashserve.models.sharding import (
     SINGLE,
+    RankShape,
     Shard,
     check_block_scales,
     check_shardable,
@@ -76,7 +77,7 @@ def test_fewer_kv_heads_than_ranks_replicates_the_head_each_rank_reads():
     assert heads == [0, 0, 1, 1]
     local = rank_config(RULES, 4)
     assert (local.num_attention_heads, local.num_key_value_heads) == (2, 1)
-    assert local.intermediate_size == 3 and local.vocab_size == 3
+    assert local.intermediate_size == 3 and local.vocab_size == 10  # the embeddings: whole
 
 
 def test_fused_projections_take_each_part_s_rows():
@@ -101,14 +102,18 @@ def test_row_parallel_projections_split_columns_and_add_their_bias_once():
     assert torch.equal(parts[0], bias) and torch.equal(parts[1], torch.zeros(6))
 
 
-def test_vocabulary_rows_split_and_pad_and_the_rest_is_replicated():
-    """10 rows over 4 ranks: 3 each, the last rank's third row padding (zeros); over 6, the
-    last rank holds only padding."""
+def test_lm_head_rows_split_and_pad_and_the_rest_is_replicated():
+    """The LM head's 10 rows over 4 ranks: 3 each, the last rank's third row padding (zeros);
+    over 6, the last rank holds only padding. The embeddings are whole on every rank."""
     emb = torch.randn(10, 6)
-    parts = _parts("model.embed_tokens.weight", emb, 4)
+    parts = _parts("lm_head.weight", emb, 4)
     assert [p.shape[0] for p in parts] == [3, 3, 3, 3]
     assert torch.equal(torch.cat(parts)[:10], emb) and not parts[3][1:].any()
     assert not _parts("lm_head.weight", emb, 6)[5].any()
+    assert all(torch.equal(p, emb) for p in _parts("model.embed_tokens.weight", emb, 4))
+    ranges = [RankShape(RULES, r, 4).vocab_range() for r in range(4)]
+    assert ranges == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert RankShape(RULES, 5, 6).vocab_range() == (10, 10)
     norm = torch.randn(6)
     assert all(torch.equal(p, norm) for p in _parts("model.layers.0.input_layernorm.weight",
                                                       norm, 2))  # fmt: skip

@@ -3,18 +3,18 @@ to its roofline under ``--tensor-parallel-size N``, where the bytes over the ban
 out the time the ranks spend meeting.
 
 A decode step of batch B calls, in this order (``flashserve/models/decoder.py``,
-``flashserve/engine/model_runner.py``): the embeddings' all-reduce of ``[B, hidden]``; two
-all-reduces of ``[B, hidden]`` per layer (after o_proj and down_proj); the all-gather of the
+``flashserve/engine/model_runner.py``): two all-reduces of ``[B, hidden]`` per layer (after o_proj
+and down_proj; the embeddings are replicated, so their lookup needs none); the all-gather of the
 logits, ``[B, ceil(V / N)]`` float32 a rank; and on a look-ahead step (async scheduling) the
 broadcast of its B input ids. ``time_step_collectives`` runs exactly that sequence on N fresh
 processes, one per GPU, through the engine's own ``TPGroup`` (NCCL; gloo on the CPU): on CUDA
-captured in one CUDA graph and replayed, as the engine replays its decode graph, with nothing
-else on the GPUs. It reports rank 0's median time per step over the rounds.
+captured in one CUDA graph and replayed, as the engine replays its decode graph, with nothing else
+on the GPUs. It reports rank 0's median time per step over the rounds.
 
 Under ``--tp-all-reduce fused`` the all-reduces after o_proj and down_proj of a step of up to
 ``kernels.fold.ROWS`` tokens are not collectives (the GEMVs and norms around them do the sums:
-``kernels.fold``): the step's collectives are then the embeddings' all-reduce (NCCL), the
-gather and the broadcast, and what the folded sums cost shows in the step's "rest".
+``kernels.fold``): the step's collectives are then the gather and the broadcast, and what the
+folded sums cost shows in the step's "rest".
 
 Those processes start and end before the engine's own group exists (one torch.distributed
 group per process: ``TPGroup``), so ``bench decode`` measures them first.
@@ -60,12 +60,12 @@ class StepCollectives:
 
     @property
     def all_reduces(self) -> int:
-        return 2 * self.layers + 1
+        return 2 * self.layers
 
     def all_reduces_at(self, batch: int) -> int:
-        """The step's all-reduce collectives at ``batch``: the embeddings' alone where the
-        layers' are folded (``folded``, batch up to ``kernels.fold.ROWS``)."""
-        return 1 if self.folded and batch <= FOLD_ROWS else self.all_reduces
+        """The step's all-reduce collectives at ``batch``: none where the layers' are folded
+        (``folded``, batch up to ``kernels.fold.ROWS``)."""
+        return 0 if self.folded and batch <= FOLD_ROWS else self.all_reduces
 
 
 def time_step_collectives(

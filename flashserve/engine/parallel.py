@@ -8,7 +8,7 @@ several), the ``env://`` variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``LO
 ``MASTER_ADDR``, ``MASTER_PORT``): ``torchrun_env`` is the one place that reads them.
 
 ``TPGroup`` is the ``sharding.TPComm`` the model calls (the all-reduce after the row-parallel
-layers and the embeddings, the gather of the logits) plus what the runner needs: the KV pool's
+layers, the gather of the logits) plus what the runner needs: the KV pool's
 block count agreed as the ranks' minimum, and a look-ahead step's input tokens broadcast from
 rank 0. Collectives time out after ``TIMEOUT`` (a rank that is alive but stuck).
 """
@@ -43,12 +43,12 @@ KEY_PREFIX = "flashserve/"  # our keys in the store (torchrun's agent keeps its 
 # Simple 1.93), one-shot 0.41 ms, at 8 KiB and 64 KiB alike (docs/benchmarks/tensor-parallel.md);
 # larger messages were not measured and stay with NCCL.
 ONE_SHOT_MAX_BYTES = 64 << 10
-# With tp_all_reduce fused (two ranks on one host), the all-reduces after o_proj and down_proj
-# of steps of up to kernels.fold.ROWS tokens are folded into those GEMVs and the norms after
-# them (kernels.fold: no collective launched); the rest (the embeddings' all-reduce, larger
-# steps) go through NCCL. Each rank's symmetric buffer: two slots of this many bytes, at fixed
-# offsets whatever the hidden size and dtype (so that consecutive calls never share bytes):
-# 16 rows of up to 16,384 columns, a value and its call's tag in each 8-byte word.
+# With tp_all_reduce fused (two ranks on one host), the all-reduces after o_proj and down_proj of
+# steps of up to kernels.fold.ROWS tokens are folded into those GEMVs and the norms after them
+# (kernels.fold: no collective launched); larger steps' go through NCCL. Each rank's symmetric
+# buffer: two slots of this many bytes, at fixed offsets whatever the hidden size and dtype (so that
+# consecutive calls never share bytes): 16 rows of up to 16,384 columns, a value and its call's tag
+# in each 8-byte word.
 FOLD_SLOT_BYTES = 2 << 20
 CHECK_SPINS = 1 << 24  # the start-up check's norms wait at most this many reads of their row
 

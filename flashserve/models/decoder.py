@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashserve.models.attention import (
@@ -36,7 +37,15 @@ from flashserve.models.attention import (
 from flashserve.models.config import ModelConfig
 from flashserve.models.linear import CHANNEL, Fp8Weights, Linear
 from flashserve.models.rope import RotaryEmbedding
-from flashserve.models.sharding import SINGLE, WHOLE, Shard, TPComm, rank_config, tensor_shard
+from flashserve.models.sharding import (
+    SINGLE,
+    WHOLE,
+    RankShape,
+    Shard,
+    TPComm,
+    rank_config,
+    tensor_shard,
+)
 from flashserve.models.weights import (
     FUSED_CHECKPOINTS,
     Slot,
@@ -205,7 +214,7 @@ class DecoderLayer(nn.Module):
         post: RMSNorm | None = None,  # the previous layer's ``output_norm``, for x
         fold: AllReduceFold | None = None,  # the step's folded all-reduce (class doc)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
-        if residual is None:  # the embeddings: all-reduced (vocabulary-parallel), not folded
+        if residual is None:  # the embeddings (replicated: whole on every rank)
             x, residual = self.input_layernorm(x), x
         else:  # the previous layer's down_proj output
             x, residual = self.input_layernorm(x, residual, post, fold)
@@ -249,8 +258,9 @@ class DecoderForCausalLM(nn.Module):
 
     With ``tp`` of several ranks the model is this rank's share (``flashserve.models.sharding``):
     ``config`` is the whole model's, ``rank_config`` the shape of the share (its heads, KV
-    heads, MLP width, vocabulary rows), which the layers are built with; a float8 projection
-    holds its rows or columns of the weight and the scales that go with them."""
+    heads, MLP width), which the layers are built with, and ``vocab`` says which rows of the
+    LM head it holds; a float8 projection holds its rows or columns of the weight and the
+    scales that go with them."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
                  fp8: Fp8Weights | None = None, *, tp: TPComm = SINGLE):  # fmt: skip
@@ -262,9 +272,10 @@ class DecoderForCausalLM(nn.Module):
         self.backend = attn_backend  # its metadata and graph hooks serve the model runner
         self.model = DecoderModel(self.rank_config, attn_backend, fp8.scales if fp8 else None,
                                   tp=tp)  # fmt: skip
-        self.lm_head = None  # tied: compute_logits uses the embedding matrix
+        self.vocab = RankShape(config, tp.rank, tp.size)  # the LM head's rows on this rank
+        self.lm_head = None  # tied: compute_logits uses the embedding matrix's rows
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, self.rank_config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.vocab.vocab_rows, bias=False)
         self._embed_scales: dict[torch.dtype, float] = {}
         self.requires_grad_(False)
 
@@ -285,26 +296,15 @@ class DecoderForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """The token embeddings, times ``embed_scale`` rounded to their dtype first (as
-        transformers' Gemma does: sqrt(3072) is 55.5 in bf16)."""
-        x = self._lookup(input_ids)
+        transformers' Gemma does: sqrt(3072) is 55.5 in bf16). Every rank holds the whole
+        table (``sharding``): no collective."""
+        x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale == 1.0:
             return x
         if x.dtype not in self._embed_scales:
             scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
             self._embed_scales[x.dtype] = scale.item()
         return x * self._embed_scales[x.dtype]
-
-    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        """The embedding rows of ``input_ids``; vocabulary-parallel: each rank's rows, zeros
-        for ids outside them, summed over the ranks."""
-        table = self.model.embed_tokens
-        if self.tp.size == 1:
-            return table(input_ids)
-        rows = table.num_embeddings
-        local = input_ids - self.tp.rank * rows
-        outside = (local < 0) | (local >= rows)
-        x = table(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def ensure_positions(self, num_positions: int) -> None:
         """Serve positions up to ``num_positions - 1`` (the engine's max_model_len): grows
@@ -314,11 +314,21 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         """float32 logits, soft-capped (``cap * tanh(logits / cap)``) when the config says;
-        vocabulary-parallel: each rank's columns, gathered (every rank gets them all), the
+        vocabulary-parallel: each rank's columns (a tied head: its rows of the embeddings, the
+        last rank's logits padded to ``vocab_rows``), gathered (every rank gets them all), the
         padding dropped, then capped."""
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        logits = self.backend.linear(hidden, head.weight).float()
+        if self.lm_head is not None:
+            logits = self.backend.linear(hidden, self.lm_head.weight).float()
+        else:
+            start, stop = self.vocab.vocab_range() if self.tp.size > 1 else (0, None)
+            if stop == start:  # a last rank of padding only (tiny vocabularies)
+                logits = hidden.new_zeros(hidden.shape[0], 0, dtype=torch.float32)
+            else:
+                rows = self.model.embed_tokens.weight[start:stop]  # a view
+                logits = self.backend.linear(hidden, rows).float()
         if self.tp.size > 1:
+            if logits.shape[-1] < self.vocab.vocab_rows:
+                logits = F.pad(logits, (0, self.vocab.vocab_rows - logits.shape[-1]))
             logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcap
         return cap * torch.tanh(logits / cap) if cap > 0 else logits

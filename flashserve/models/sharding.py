@@ -12,11 +12,12 @@ A tensor of the model is one of:
   dimension, the same ranges as the column-parallel layer before it; the outputs of the ranks
   are summed (all-reduce; with ``TPComm.fold_for`` in the layer's GEMV and the norm after it).
   A bias is added once: rank 0 holds it, the others zeros;
-- **vocabulary-parallel** (``embed_tokens``, ``lm_head``): each rank holds ``ceil(V / N)``
-  rows, the last rank's padded with zeros. An embedding lookup gives zeros for ids outside
-  the rank's rows, then sums over ranks; the LM head's logits are gathered and the padding
-  dropped;
-- **replicated**: everything else (norms, q/k head norms).
+- **vocabulary-parallel** (``lm_head``): each rank holds ``ceil(V / N)`` rows, the last
+  rank's padded with zeros; the logits are gathered and the padding dropped. A tied head is
+  the same rows of the (replicated) embeddings;
+- **replicated**: everything else (the embeddings, norms, q/k head norms). A lookup reads one
+  row a token, so a whole table per rank costs memory, not time, where a vocabulary-parallel
+  one costs a step an all-reduce and its masking kernels (``DecoderForCausalLM.embed``).
 
 Float8 weight scales (``<linear>.weight_scale`` or ``weight_scale_inv``) follow their weight
 (``tensor_shard``): one scale per output row (``[N]`` or ``[N, 1]``) is cut with a
@@ -170,8 +171,14 @@ class RankShape:
 
     @property
     def vocab_rows(self) -> int:
-        """Rows of the embeddings and LM head on each rank: ``ceil(V / N)``."""
+        """Rows of the LM head on each rank: ``ceil(V / N)``."""
         return -(-self.config.vocab_size // self.size)
+
+    def vocab_range(self) -> tuple[int, int]:
+        """The vocabulary ids whose logits this rank computes (the last rank's may be fewer
+        than ``vocab_rows``, or none)."""
+        start = min(self.rank * self.vocab_rows, self.config.vocab_size)
+        return start, min(start + self.vocab_rows, self.config.vocab_size)
 
     def q_rows(self) -> tuple[int, int]:
         d = self.config.head_dim
@@ -225,8 +232,9 @@ def check_block_scales(config: ModelConfig, size: int) -> None:
 
 
 def rank_config(config: ModelConfig, size: int) -> ModelConfig:
-    """The shape of one rank's share of the model: its query and KV heads, its MLP width, its
-    vocabulary rows (``config`` itself when ``size`` is 1)."""
+    """The shape of one rank's share of the model: its query and KV heads, its MLP width
+    (``config`` itself when ``size`` is 1; the vocabulary is whole: the embeddings are
+    replicated, the LM head's rows are ``RankShape.vocab_rows``)."""
     if size == 1:
         return config
     check_shardable(config, size)
@@ -236,7 +244,6 @@ def rank_config(config: ModelConfig, size: int) -> ModelConfig:
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         intermediate_size=config.intermediate_size // size,
-        vocab_size=shape.vocab_rows,
     )
 
 
@@ -256,9 +263,8 @@ def tensor_shard(name: str, config: ModelConfig, rank: int, size: int,
     if len(parts) < 2:
         return WHOLE
     module, kind = parts[-2], parts[-1]
-    if module in ("embed_tokens", "lm_head"):
-        start = rank * r.vocab_rows
-        stop = min(start + r.vocab_rows, c.vocab_size)
+    if module == "lm_head":
+        start, stop = r.vocab_range()
         pieces = ((start, stop),) if stop > start else ()
         return Shard(0, pieces, c.vocab_size, pad=r.vocab_rows - max(0, stop - start))
     q, kv, mlp = r.q_rows(), r.kv_rows(), r.mlp_rows()
