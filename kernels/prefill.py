@@ -69,7 +69,8 @@ consumer warpgroups in ping-pong, the softmax overlapping the next MMA. It share
 pool view and ``hopper_refusal``, and refuses windows, soft-capping, fp8 and fp32
 (``gluon_refusal``). Over an fp8 cache, ``"auto"`` given ``fp8_scratch`` dequantizes the
 batch's pages into it and runs the Gluon kernel there (``_auto_gluon_fp8``,
-``kernels.kv_dequant``: the first token of 128K 17.2 -> 10.9 s on an H200).
+``kernels.kv_dequant``: the first token of 128K 17.2 -> 10.9 s on an H200); a batch whose
+pages exceed it runs in groups of sequences that fit (``_gluon_over_fp8``).
 """
 
 from __future__ import annotations
@@ -622,18 +623,36 @@ def _auto_gluon(q, k_cache, v_cache, fp8: bool, window: int, softcap: float, con
         return None
 
 
-def _auto_gluon_fp8(q, k_cache, window: int, softcap: float, config, scratch, bsz: int,
-                    pages: int):  # fmt: skip
+def _auto_gluon_fp8(q, k_cache, window: int, softcap: float, config, scratch, pages: int):
     """What ``path="auto"`` over an fp8 cache runs the Gluon kernel with on the 16-bit
     ``scratch`` pools (``kernels.kv_dequant``), or None (the Hopper or portable path over the
-    fp8 cache): as ``_auto_gluon`` for a 16-bit cache of the scratch's pages, when ``bsz``
-    sequences of ``pages`` pages each fit in it."""
+    fp8 cache): as ``_auto_gluon`` for a 16-bit cache of the scratch's pages, when a sequence
+    of ``pages`` pages fits in it (a batch that does not fit whole runs in groups that do)."""
     if scratch is None or config is not None or window or softcap:
         return None
     k16, v16 = scratch
-    if k16.dtype != q.dtype or k16.shape[1:] != k_cache.shape[1:] or bsz * pages > k16.shape[0]:
+    if k16.dtype != q.dtype or k16.shape[1:] != k_cache.shape[1:] or pages > k16.shape[0]:
         return None
     return _auto_gluon(q, k16, v16, False, 0, 0.0, None)
+
+
+def _gluon_over_fp8(module, cfg, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q,
+                    seq_lens, block_tables, scale, max_query_len, out, lse, scratch,
+                    pages: int) -> None:  # fmt: skip
+    """The Gluon kernel over an fp8 cache: each group of sequences whose ``pages`` pages each
+    fit in ``scratch`` together, dequantized into it (``kernels.kv_dequant``), then read from
+    there. A group's slices of ``cu_seqlens_q`` address ``q``, ``out`` and ``lse`` whole (the
+    offsets are absolute): no host sync. The groups run in turn on the stream, each one's
+    dequantization after the kernel before it has read the scratch."""
+    bsz = seq_lens.shape[0]
+    group = min(bsz, scratch[0].shape[0] // pages)
+    tables = scratch_tables(group, pages, q.device)
+    for lo in range(0, bsz, group):
+        hi = min(lo + group, bsz)
+        dequantize_pages(k_cache, v_cache, k_scale, v_scale, block_tables[lo:hi],
+                         seq_lens[lo:hi], pages, *scratch)  # fmt: skip
+        module.gluon_prefill(q, *scratch, cu_seqlens_q[lo : hi + 1], seq_lens[lo:hi],
+                             tables[: hi - lo], scale, max_query_len, out, lse, cfg)  # fmt: skip
 
 
 def _pick_path(path: str, q, k_cache, v_cache, fp8: bool, config) -> tuple[bool, tuple]:
@@ -735,7 +754,7 @@ def prefill_attention(
     elif path == "auto" and fp8:
         pages = block_tables.shape[1] if max_seq_len is None else triton.cdiv(max_seq_len, page)
         pages = min(pages, block_tables.shape[1])
-        gluon = _auto_gluon_fp8(q, k_cache, window, softcap, config, fp8_scratch, bsz, pages)
+        gluon = _auto_gluon_fp8(q, k_cache, window, softcap, config, fp8_scratch, pages)
         dequant = pages if gluon is not None else None
     elif path == "auto":
         gluon = _auto_gluon(q, k_cache, v_cache, fp8, window, softcap, config)
@@ -745,13 +764,13 @@ def prefill_attention(
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if gluon is not None:
         module, gluon_cfg = gluon
-        caches, tables = (k_cache, v_cache), block_tables
         if dequant is not None:  # the fp8 pages into the 16-bit scratch, read from there
-            caches, tables = fp8_scratch, scratch_tables(bsz, dequant, q.device)
-            dequantize_pages(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                             dequant, *caches)  # fmt: skip
-        module.gluon_prefill(q, *caches, cu_seqlens_q, seq_lens, tables, scale, max_query_len,
-                             out, lse, gluon_cfg)  # fmt: skip
+            _gluon_over_fp8(module, gluon_cfg, q, k_cache, v_cache, k_scale, v_scale,
+                            cu_seqlens_q, seq_lens, block_tables, scale, max_query_len, out,
+                            lse, fp8_scratch, dequant)  # fmt: skip
+        else:
+            module.gluon_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                 scale, max_query_len, out, lse, gluon_cfg)  # fmt: skip
         return (out, lse) if return_lse else out
 
     hopper, (block_m, block_n, num_warps, num_stages, per_sm) = _pick_path(

@@ -476,6 +476,48 @@ def test_prefill_over_dequantized_pages_equals_prefill_over_the_fp8_cache():
     assert_close(lse, ref_lse, LSE_TOL[torch.float32], "its lse")
 
 
+def test_prefill_over_fp8_runs_in_groups_that_fit_the_scratch():
+    """A batch whose pages exceed the scratch runs in groups of sequences that fit
+    (``kernels.prefill._gluon_over_fp8``): each group dequantized, then its slice of
+    ``cu_seqlens_q`` (absolute offsets into q, out and lse) read by the kernel. The Gluon
+    kernel's place taken by the portable one over the same arguments; 5 sequences, a scratch
+    of 2 sequences' pages: 3 groups, every output row and LSE against the reference."""
+    from types import SimpleNamespace
+
+    from kernels.prefill import _gluon_over_fp8
+
+    page, hq, hkv, d = 16, 4, 2, 64
+    qlens, ctx = [1, 17, 40, 9, 3], [30, 0, 45, 20, 60]
+    kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
+    bad = _poisoned(kv)
+    pages = max(-(-n // page) for n in bad.lens)
+    scratch = [torch.full((2 * pages + 1, page, hkv, d), float("nan"), device=DEVICE)
+               for _ in range(2)]  # fmt: skip
+    calls = []
+
+    def portable(q, k, v, cu, seq_lens, tables, scale, max_query_len, out, lse, cfg):
+        calls.append((int(cu[0]), int(cu[-1]), tables.shape[0]))
+        assert k.data_ptr() == scratch[0].data_ptr() and cfg == "cfg"
+        _, part = prefill_attention(q, k, v, cu, seq_lens, tables, scale, max_query_len,
+                                    out=out, return_lse=True)  # fmt: skip
+        lse[calls[-1][0] : calls[-1][1]] = part[calls[-1][0] : calls[-1][1]]
+
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE)
+    cu = cu_of(qlens, DEVICE)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], hq), float("nan"), device=DEVICE)
+    _gluon_over_fp8(SimpleNamespace(gluon_prefill=portable), "cfg", q, bad.k, bad.v,
+                    bad.k_scale, bad.v_scale, cu, bad.seq_lens, bad.block_tables, d**-0.5,
+                    max(qlens), out, lse, scratch, pages)  # fmt: skip
+    ends = cu.tolist()
+    assert calls == [(ends[0], ends[2], 2), (ends[2], ends[4], 2), (ends[4], ends[5], 1)]
+    ref, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
+                                               kv.block_tables, d**-0.5,
+                                               return_lse=True)  # fmt: skip
+    assert_close(out, ref, TOL[torch.float32], "prefill over the dequantized pages, in groups")
+    assert_close(lse, ref_lse, LSE_TOL[torch.float32], "its lse")
+
+
 def test_dequantize_pages_checks_its_inputs():
     from kernels.kv_dequant import dequantize_pages
 

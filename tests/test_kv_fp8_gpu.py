@@ -373,8 +373,9 @@ def test_prefill_auto_over_fp8_runs_gluon_on_the_dequantized_pages(d, page, head
     scratch and the Gluon kernel reading it (the engine's default on sm_90: 128-token pages of
     a head's rows together), GQA, chunks after cached context, a 1-token chunk, NaN bytes and
     scales past each end, the scratch NaN where nothing is written; output and LSE against the
-    reference on the dequantized cache. With a scratch one page too short, the Hopper path over
-    the fp8 cache (no Gluon call), the same answer within the tolerance."""
+    reference on the dequantized cache. With a scratch one page short of the batch's, the batch
+    in two groups (two Gluon calls); one page short of a sequence's, the Hopper path over the
+    fp8 cache (no Gluon call): the same answer within the tolerance."""
     from kernels import prefill_gluon
     from kernels.kv_quant import new_kv_pool
 
@@ -408,9 +409,13 @@ def test_prefill_auto_over_fp8_runs_gluon_on_the_dequantized_pages(d, page, head
                   max_seq_len=max(lens))  # fmt: skip
     assert called == [True]
     short = tuple(x[: len(lens) * pages - 1] for x in scratch)
-    check_prefill(q, qlens, kv, (kd, vd), f"{what}, scratch too short", path="auto",
+    check_prefill(q, qlens, kv, (kd, vd), f"{what}, in groups", path="auto",
                   fp8_scratch=short, max_seq_len=max(lens))  # fmt: skip
-    assert called == [True]
+    assert called == [True] * 3
+    tiny = tuple(x[: pages - 1] for x in scratch)
+    check_prefill(q, qlens, kv, (kd, vd), f"{what}, scratch too short", path="auto",
+                  fp8_scratch=tiny, max_seq_len=max(lens))  # fmt: skip
+    assert called == [True] * 3
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
