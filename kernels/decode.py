@@ -338,10 +338,6 @@ def _decode_split_kernel(
     PTX: tl.constexpr,  # compiled for an NVIDIA GPU: inline PTX (the interpreter runs none)
     SCALES_AHEAD: tl.constexpr,  # FP8: load each tile's scales a tile ahead (_tile_scales)
     PREFETCH: tl.constexpr,  # PDL_WAIT: tokens of the split prefetched into L2 before the wait
-    Ahead=None,  # AHEAD: bytes the kernel after this one streams (o_proj's weight), into L2
-    ahead_piece=0,  # AHEAD: bytes of one piece, a multiple of 16
-    ahead_max_tokens=0,  # AHEAD: only while this row's KV is at most this many tokens
-    AHEAD: tl.constexpr = 0,  # pieces a program prefetches (0: none; PTX only)
 ):
     if PDL_WAIT and PREFETCH == 0:  # launched early (PDL): the previous kernel's outputs are
         tl.extra.cuda.gdc_wait()  # ready after this
@@ -373,13 +369,6 @@ def _decode_split_kernel(
         _prefetch_split(K, V, bt, start, stop, lo, end, stride_kb, stride_kt, head_off,
                         HEAD_DIM, PAGE, BLOCK_N, WINDOWED)  # fmt: skip
         tl.extra.cuda.gdc_wait()
-
-    if AHEAD:  # short rows leave the memory bus idle: the next weight streams into L2 meanwhile
-        if seq_len <= ahead_max_tokens:
-            pid = (b * tl.num_programs(1) + hkv) * tl.num_programs(2) + split
-            first = pid.to(tl.int64) * AHEAD * ahead_piece
-            offs_p = first + tl.arange(0, AHEAD).to(tl.int64) * ahead_piece
-            _prefetch_rows(Ahead + offs_p, tl.full([AHEAD], ahead_piece, tl.int32))
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -527,12 +516,6 @@ class DecodeTuning:
     prefetch_tokens: int = 0
     wide_prefetch_tokens: int = 64
     fp8_prefetch_tokens: int = 64
-    # The weight that the kernel after this one streams (``decode_attention(l2_ahead=...)``:
-    # the layer's output projection), asked into L2 by every program of a row of at most this
-    # many tokens (0: never), in ``ahead_pieces`` bulk prefetches a program: at short context
-    # the attention reads little and the memory bus idles under its latency.
-    ahead_max_tokens: int = 0
-    ahead_pieces: int = 128
     # Programmatic dependent launch (sm_90+): stage 1 is launched while the kernel before it
     # (rope_write_kv, which triggers early) runs, and waits for it in-kernel. On / off, fused
     # merge: B=1/4K 12.3 / 12.5, 16K 30.7 / 31.0, B=8/4K 53.2 / 53.6 (kernels-notes.md run 5).
@@ -550,13 +533,9 @@ class DecodeTuning:
         for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefetch_tokens", "wide_prefetch_tokens", "fp8_prefetch_tokens",
-                     "ahead_max_tokens"):  # fmt: skip
+        for name in ("prefetch_tokens", "wide_prefetch_tokens", "fp8_prefetch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DecodeTuning.{name} must be >= 0, got {getattr(self, name)}")
-        if not _is_pow2(self.ahead_pieces):
-            raise ValueError(f"DecodeTuning.ahead_pieces must be a power of two, got "
-                             f"{self.ahead_pieces}")  # fmt: skip
 
     def prefetch_for(self, head_dim: int, f16_dots: bool) -> int:
         """Tokens a split prefetches into L2 before its wait: head dims over 128 take
@@ -758,7 +737,6 @@ def decode_attention(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    l2_ahead: torch.Tensor | None = None,
 ):
     """Decode attention of one query token per sequence over its paged KV (see module doc).
 
@@ -772,9 +750,7 @@ def decode_attention(
     pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
     layer's host values (0: off), fixed for a captured graph. An fp8 cache (``float8_e4m3fn``
     pages) comes with its scale pools ``k_scale``/``v_scale`` ``[N, Hkv, BS]``
-    (``kernels.kv_quant``). ``l2_ahead``: a contiguous tensor that the next kernel reads (the
-    output projection's weight), asked into L2 as ``DecodeTuning.ahead_max_tokens`` says; a
-    hint, with no effect on the result.
+    (``kernels.kv_quant``).
     Returns ``out`` [B, Hq, D], and ``lse`` [B, Hq] fp32 (natural log) if ``return_lse``.
     """
     bsz, hq, d = q.shape
@@ -809,7 +785,6 @@ def decode_attention(
         _launch, q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out,
         lse, counters, scale, window, softcap, plan, per_sm, return_lse, split_size is not None,
         chain, prefetch=tuning.prefetch_for(d, f16_dots),
-        ahead=_ahead_args(l2_ahead, bsz * hkv * plan.splits, tuning),
     )  # fmt: skip
     _launch_maybe_pdl(q.device, tuning.pdl, launch)
     return (out, lse) if return_lse else out
@@ -852,31 +827,14 @@ def _merge_per_thread(per_sm: int, num_warps: int) -> int:
     return 128 if regs >= 168 else 64
 
 
-def _ahead_args(ahead: torch.Tensor | None, programs: int, tuning: DecodeTuning) -> dict:
-    """The kernel's arguments that prefetch ``ahead`` into L2 (``DecodeTuning.ahead_max_tokens``)
-    over ``programs`` programs: pieces of a multiple of 16 bytes, all inside it (its last
-    bytes, under a piece a program, are left out); {} for none."""
-    if ahead is None or not tuning.ahead_max_tokens or not ahead.is_cuda:
-        return {}
-    if torch.version.hip is not None or not ahead.is_contiguous() or ahead.data_ptr() % 16:
-        return {}
-    pieces = tuning.ahead_pieces
-    piece = ahead.numel() * ahead.element_size() // (programs * pieces) // 16 * 16
-    if piece == 0:
-        return {}
-    return dict(Ahead=ahead.view(-1).view(torch.uint8), ahead_piece=piece,
-                ahead_max_tokens=tuning.ahead_max_tokens, AHEAD=pieces)  # fmt: skip
-
-
 def _launch(
     q, k_cache, v_cache, scales, seq_lens, block_tables, part_out, part_lse, out, lse,
-    counters, scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, prefetch,
-    ahead, pdl,
+    counters, scale, window, softcap, plan, per_sm, return_lse, fixed, chain, *, prefetch, pdl,
 ):  # fmt: skip
     """Stage 1, merging in its last program per (sequence, KV head); launched early (PDL) when
     ``pdl``, and then letting the next kernel launch early too when ``chain``, and prefetching
     ``prefetch`` tokens a split before its wait (``DecodeTuning.prefetch_for``) when both.
-    ``scales``: an fp8 cache's (k_scale, v_scale), else None. ``ahead``: ``_ahead_args``."""
+    ``scales``: an fp8 cache's (k_scale, v_scale), else None."""
     bsz, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     block_n, num_warps, num_stages = plan.tiles
@@ -913,7 +871,7 @@ def _launch(
         SCALES_AHEAD=scales_ahead(scales is not None, block_n, num_warps),
         PREFETCH=triton.cdiv(prefetch, block_n) * block_n if pdl and chain and row_bytes % 16 == 0
         else 0,
-        num_warps=num_warps, num_stages=num_stages, **ahead, **extra,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
 
 

@@ -349,11 +349,10 @@ def decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    l2_ahead: torch.Tensor | None = None,
 ):
     """One query token per sequence attending to its cached tokens (the last ``window`` of
     them when ``window`` > 0)."""
-    del max_seq_len, l2_ahead  # the kernels' hints (splits, L2); the reference needs none
+    del max_seq_len  # a hint for the kernels' split heuristic; the reference needs none
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return prefill_attention(
         q, k_cache, v_cache, cu, seq_lens, block_tables, scale, out=out,

@@ -234,8 +234,7 @@ def test_decode_tuning_sizes_the_splits():
      ({"min_split_tokens": 0}, "min_split_tokens"), ({"max_splits": 0}, "max_splits"),
      ({"prefetch_tokens": -1}, "prefetch_tokens"),
      ({"wide_prefetch_tokens": -64}, "wide_prefetch_tokens"),
-     ({"fp8_prefetch_tokens": -1}, "fp8_prefetch_tokens"),
-     ({"ahead_max_tokens": -1}, "ahead_max_tokens"), ({"ahead_pieces": 48}, "ahead_pieces")],
+     ({"fp8_prefetch_tokens": -1}, "fp8_prefetch_tokens")],
 )  # fmt: skip
 def test_decode_tuning_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):

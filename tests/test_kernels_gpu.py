@@ -161,29 +161,6 @@ def test_decode_l2_prefetch_does_not_change_the_result(page, window):
     assert_close(runs[1][0], ref, BF16_TOL, f"decode with an L2 prefetch, {page=} {window=}")
 
 
-@pytest.mark.parametrize("fp8_weight", [False, True])
-def test_decode_l2_ahead_does_not_change_the_result(fp8_weight):
-    """The next kernel's weight asked into L2 (``l2_ahead``, ``DecodeTuning.ahead_max_tokens``)
-    reads nothing into the result: bit-identical output and LSE with no row, some rows (up to
-    1,000 tokens) and every row prefetching a 4096 x 4096 weight (bf16, or e4m3 bytes), and
-    a weight smaller than a piece a program (nothing asked), and right."""
-    from kernels.decode import DecodeTuning, decode_attention
-
-    k, v, bt, sl = paged([4096, 1000, 17, 3001], 8, 128, 128)
-    q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    if fp8_weight:
-        weight = weight.to(torch.float8_e4m3fn)
-    runs = [decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, return_lse=True,
-                             l2_ahead=w, tuning=DecodeTuning(ahead_max_tokens=n))
-            for n, w in ((0, weight), (1000, weight), (1 << 20, weight),
-                         (1 << 20, weight[:1]))]  # fmt: skip
-    for out, lse in runs[1:]:
-        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
-    ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088)
-    assert_close(runs[2][0], ref, BF16_TOL, "decode with the next weight asked into L2")
-
-
 def test_decode_stage_count_does_not_change_the_result():
     """Tiles that differ only in their pipeline stages (``DecodeTuning.tiles``): bit-identical
     output and LSE (only when loads are issued changes), and right."""

@@ -264,7 +264,6 @@ class PagedAttention:
         meta: AttentionMetadata,
         q_norm: torch.Tensor | None = None,  # [D]: RMSNorm each query head before RoPE
         k_norm: torch.Tensor | None = None,  # [D]: and each key head (Qwen3, Gemma 3)
-        l2_ahead: torch.Tensor | None = None,  # what the next kernel streams (decode's hint)
     ) -> torch.Tensor:  # [T, Hq, D]
         k_cache, v_cache, *scales = kv_cache
         norms = {}  # passed only when present: kernels without head norms need not take them
@@ -290,7 +289,6 @@ class PagedAttention:
                 out=out[:nd],
                 window=self.window,
                 softcap=self.softcap,
-                l2_ahead=l2_ahead,
                 **fp8,
             )
         if meta.num_prefill_tokens:

@@ -141,8 +141,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         rope = ropes[self.rope_table]
-        out = self.attn(qkv, positions, rope, kv_cache, meta, *norms,  # [T, Hq, D]
-                        l2_ahead=self.o_proj.weight)  # fmt: skip
+        out = self.attn(qkv, positions, rope, kv_cache, meta, *norms)  # [T, Hq, D]
         return self.o_proj(out.view(x.shape[0], -1), fold)
 
 
