@@ -318,14 +318,16 @@ class DecoderForCausalLM(nn.Module):
         last rank's logits padded to ``vocab_rows``), gathered (every rank gets them all), the
         padding dropped, then capped."""
         if self.lm_head is not None:
-            logits = self.backend.linear(hidden, self.lm_head.weight).float()
+            head = self.lm_head.weight
+        elif self.tp.size == 1:
+            head = self.model.embed_tokens.weight
+        else:  # tied: this rank's rows of the whole table, a view (none on the last rank of
+            # a tiny vocabulary: its logits are all padding)
+            head = self.model.embed_tokens.weight[slice(*self.vocab.vocab_range())]
+        if head.shape[0]:
+            logits = self.backend.linear(hidden, head).float()
         else:
-            start, stop = self.vocab.vocab_range() if self.tp.size > 1 else (0, None)
-            if stop == start:  # a last rank of padding only (tiny vocabularies)
-                logits = hidden.new_zeros(hidden.shape[0], 0, dtype=torch.float32)
-            else:
-                rows = self.model.embed_tokens.weight[start:stop]  # a view
-                logits = self.backend.linear(hidden, rows).float()
+            logits = hidden.new_zeros(hidden.shape[0], 0, dtype=torch.float32)
         if self.tp.size > 1:
             if logits.shape[-1] < self.vocab.vocab_rows:
                 logits = F.pad(logits, (0, self.vocab.vocab_rows - logits.shape[-1]))
