@@ -717,8 +717,9 @@ def prefill_attention(
     (0: off). An fp8 cache (``float8_e4m3fn`` pages) comes with its scale pools
     ``k_scale``/``v_scale`` ``[N, Hkv, BS]`` (``kernels.kv_quant``). ``fp8_scratch``: two
     16-bit pools ``[S, BS, Hkv, D]`` of q's dtype; with ``path="auto"`` over an fp8 cache,
-    where the Gluon kernel would take a 16-bit cache and the batch's pages fit in them, the
-    pages are dequantized into them (``kernels.kv_dequant``) and the Gluon kernel reads those.
+    where the Gluon kernel would take a 16-bit cache and a sequence's pages fit in them, the
+    pages are dequantized into them (``kernels.kv_dequant``; the batch in groups that fit:
+    ``_gluon_over_fp8``) and the Gluon kernel reads those.
     Returns ``out`` [T, Hq, D], and ``lse`` [T, Hq] fp32 (natural log) if ``return_lse``.
     """
     window, softcap = check_window_softcap(window, softcap)

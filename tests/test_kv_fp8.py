@@ -448,6 +448,10 @@ def test_dequantize_pages_writes_each_sequences_pages_into_its_scratch_pages(dty
     assert (out[0][len(lens) * pages :] == 7.0).all()
 
 
+# the dequantized-pages tests' shape: 4 query heads over 2 KV heads of 64, 16-token pages
+_DQ_HQ, _DQ_HKV, _DQ_D, _DQ_PAGE = 4, 2, 64, 16
+
+
 def test_prefill_over_dequantized_pages_equals_prefill_over_the_fp8_cache():
     """What ``path="auto"`` does on sm_90 with ``fp8_scratch`` (the Gluon kernel over the
     16-bit copy), with the portable kernel here: the pages into fp32 scratch (exact), the
@@ -455,24 +459,40 @@ def test_prefill_over_dequantized_pages_equals_prefill_over_the_fp8_cache():
     bytes and scales past each sequence's end ride along into the scratch and stay masked."""
     from kernels.kv_dequant import dequantize_pages, scratch_tables
 
-    page, hq, hkv, d = 16, 4, 2, 64
-    qlens, ctx = [1, 17, 40], [30, 0, 45]
-    kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
-    bad = _poisoned(kv)
-    pages = max(-(-n // page) for n in bad.lens)
-    scratch = [torch.full((len(qlens) * pages, page, hkv, d), float("nan"), device=DEVICE)
-               for _ in range(2)]  # fmt: skip
+    qlens = [1, 17, 40]
+    kv, bad, pages = _poisoned_batch(qlens, [30, 0, 45])
+    scratch = _nan_scratch(len(qlens) * pages)
     dequantize_pages(bad.k, bad.v, bad.k_scale, bad.v_scale, bad.block_tables, bad.seq_lens,
                      pages, *scratch)  # fmt: skip
-    q = torch.randn(sum(qlens), hq, d, device=DEVICE)
+    q = torch.randn(sum(qlens), _DQ_HQ, _DQ_D, device=DEVICE)
     cu = cu_of(qlens, DEVICE)
     out, lse = prefill_attention(q, *scratch, cu, bad.seq_lens,
-                                 scratch_tables(len(qlens), pages, DEVICE), d**-0.5,
+                                 scratch_tables(len(qlens), pages, DEVICE), _DQ_D**-0.5,
                                  max_query_len=max(qlens), return_lse=True)  # fmt: skip
+    _assert_fp8_reference(q, kv, cu, out, lse, "prefill over the dequantized pages")
+
+
+def _poisoned_batch(qlens: list[int], ctx: list[int]) -> tuple[Fp8Paged, Fp8Paged, int]:
+    """The dequantized-pages tests' fp8 batch (chunks of ``qlens`` after ``ctx`` cached
+    tokens; ``_DQ_*``'s shape), its copy poisoned past each end (``_poisoned``), and the
+    pages of its longest sequence."""
+    kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], _DQ_HKV, _DQ_D, _DQ_PAGE)
+    bad = _poisoned(kv)
+    return kv, bad, max(-(-n // _DQ_PAGE) for n in bad.lens)
+
+
+def _nan_scratch(pages: int) -> list[torch.Tensor]:
+    """A float32 scratch K and V of ``pages`` pages, NaN where nothing is written."""
+    return [torch.full((pages, _DQ_PAGE, _DQ_HKV, _DQ_D), float("nan"), device=DEVICE)
+            for _ in range(2)]  # fmt: skip
+
+
+def _assert_fp8_reference(q, kv: Fp8Paged, cu, out, lse, what: str) -> None:
+    """``out`` and ``lse`` against the float64 reference over ``kv``'s dequantized cache."""
     ref, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
-                                               kv.block_tables, d**-0.5,
+                                               kv.block_tables, q.shape[2] ** -0.5,
                                                return_lse=True)  # fmt: skip
-    assert_close(out, ref, TOL[torch.float32], "prefill over the dequantized pages")
+    assert_close(out, ref, TOL[torch.float32], what)
     assert_close(lse, ref_lse, LSE_TOL[torch.float32], "its lse")
 
 
@@ -486,13 +506,9 @@ def test_prefill_over_fp8_runs_in_groups_that_fit_the_scratch():
 
     from kernels.prefill import _gluon_over_fp8
 
-    page, hq, hkv, d = 16, 4, 2, 64
-    qlens, ctx = [1, 17, 40, 9, 3], [30, 0, 45, 20, 60]
-    kv = Fp8Paged([a + b for a, b in zip(qlens, ctx)], hkv, d, page)
-    bad = _poisoned(kv)
-    pages = max(-(-n // page) for n in bad.lens)
-    scratch = [torch.full((2 * pages + 1, page, hkv, d), float("nan"), device=DEVICE)
-               for _ in range(2)]  # fmt: skip
+    qlens = [1, 17, 40, 9, 3]
+    kv, bad, pages = _poisoned_batch(qlens, [30, 0, 45, 20, 60])
+    scratch = _nan_scratch(2 * pages + 1)
     calls = []
 
     def portable(q, k, v, cu, seq_lens, tables, scale, max_query_len, out, lse, cfg):
@@ -502,20 +518,16 @@ def test_prefill_over_fp8_runs_in_groups_that_fit_the_scratch():
                                     out=out, return_lse=True)  # fmt: skip
         lse[calls[-1][0] : calls[-1][1]] = part[calls[-1][0] : calls[-1][1]]
 
-    q = torch.randn(sum(qlens), hq, d, device=DEVICE)
+    q = torch.randn(sum(qlens), _DQ_HQ, _DQ_D, device=DEVICE)
     cu = cu_of(qlens, DEVICE)
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[0], hq), float("nan"), device=DEVICE)
+    lse = torch.full((q.shape[0], _DQ_HQ), float("nan"), device=DEVICE)
     _gluon_over_fp8(SimpleNamespace(gluon_prefill=portable), "cfg", q, bad.k, bad.v,
-                    bad.k_scale, bad.v_scale, cu, bad.seq_lens, bad.block_tables, d**-0.5,
+                    bad.k_scale, bad.v_scale, cu, bad.seq_lens, bad.block_tables, _DQ_D**-0.5,
                     max(qlens), out, lse, scratch, pages)  # fmt: skip
     ends = cu.tolist()
     assert calls == [(ends[0], ends[2], 2), (ends[2], ends[4], 2), (ends[4], ends[5], 1)]
-    ref, ref_lse = reference.prefill_attention(q.double(), kv.kd, kv.vd, cu, kv.seq_lens,
-                                               kv.block_tables, d**-0.5,
-                                               return_lse=True)  # fmt: skip
-    assert_close(out, ref, TOL[torch.float32], "prefill over the dequantized pages, in groups")
-    assert_close(lse, ref_lse, LSE_TOL[torch.float32], "its lse")
+    _assert_fp8_reference(q, kv, cu, out, lse, "prefill over the dequantized pages, in groups")
 
 
 def test_dequantize_pages_checks_its_inputs():
