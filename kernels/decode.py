@@ -483,6 +483,15 @@ class DecodeTuning:
     # 3,229; (64, 4, 4) 120.5 / 124.2 / 3,706; the rest of the sweep slower still. A 128-token
     # e4m3 tile carries a 64-token bf16 tile's bytes.
     fp8_tiles: tuple[int, int, int] | None = (128, 4, 3)
+    # decode_config's 16-bit tiles with a pipeline stage fewer, for a plan whose splits are
+    # longer than short_split_tokens[0] and at most short_split_tokens[1] tokens (the plan's
+    # length: a CUDA graph's comes from max_model_len); None: never. Engine runs (bench
+    # decode dummy:llama3.1-8b, batch 1, ms a step, (64, 4, 4) / (64, 4, 3); decode.md,
+    # tensor-parallel.md): H200 TP=2 32K (512-token splits) 3.30 / 3.23 (2026-11-27), H100
+    # 32K (1,024) 7.06 / 6.98; lost at 128K's 2,018-4,096-token splits (H200 TP=1 7.87 /
+    # 8.05, TP=2 4.73 / 4.84, H100 11.2 / 11.5) and 4K's 128 (9.5 / 10.1 us a call).
+    short_split_tiles: tuple[int, int, int] | None = (64, 4, 3)
+    short_split_tokens: tuple[int, int] = (128, 1024)
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
     # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
@@ -527,9 +536,15 @@ class DecodeTuning:
             _check_tiles(self.tiles)
         object.__setattr__(self, "wide_tiles", tuple(self.wide_tiles))
         _check_tiles(self.wide_tiles, "wide_tiles")
-        if self.fp8_tiles is not None:
-            object.__setattr__(self, "fp8_tiles", tuple(self.fp8_tiles))
-            _check_tiles(self.fp8_tiles, "fp8_tiles")
+        for name in ("fp8_tiles", "short_split_tiles"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+                _check_tiles(getattr(self, name), name)
+        lo, hi = self.short_split_tokens
+        if not 0 <= lo <= hi:
+            raise ValueError(f"DecodeTuning.short_split_tokens {self.short_split_tokens}: "
+                             "(shortest excluded, longest included) with 0 <= shortest <= "
+                             "longest")  # fmt: skip
         for name in ("programs_per_sm", "min_split_tokens", "wide_min_split_tokens", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeTuning.{name} must be >= 1, got {getattr(self, name)}")
@@ -596,8 +611,10 @@ def decode_config(
     4,096 tokens (a rule until 2026-11-27; a 128K graph's plan ran it at every context) lost
     at 128K end to end (bench decode dummy:llama3.1-8b batch 1, ms a step, four / three
     stages, docs/benchmarks/decode.md): H200 TP=1 7.87 / 8.05, TP=2 4.73 / 4.84, H100 11.2 /
-    11.5; it won at 32K by 1-2% (H100 7.06 / 6.98, H200 TP=2 3.30 / 3.23). Head dims over 128:
-    ``tuning.wide_tiles``; an fp8 cache read with f16 dots: ``tuning.fp8_tiles`` when set."""
+    11.5; it won at 32K by 1-2% (H100 7.06 / 6.98, H200 TP=2 3.30 / 3.23): ``plan_splits``
+    takes ``tuning.short_split_tiles`` for plans of such splits (``short_split_tokens``). Head
+    dims over 128: ``tuning.wide_tiles``; an fp8 cache read with f16 dots:
+    ``tuning.fp8_tiles`` when set."""
     if head_dim > 128:
         return tuning.wide_tiles
     return tuning.fp8_tiles if fp8 and tuning.fp8_tiles is not None else (64, 4, 4)
@@ -698,16 +715,29 @@ def plan_splits(
             raise ValueError(f"split_size {split_size} must be a positive multiple of {block_n}")
         if window > 0:
             span = min(max_seq_len, window + block_n - 1)
-        return SplitPlan(max(1, math.ceil(span / split_size)), split_size, tiles)
-    if num_splits is not None:  # split as asked
-        return SplitPlan(max(1, int(num_splits)), block_n, tiles)
-    wide = head_dim > 128
-    shortest = tuning.wide_min_split_tokens if wide else tuning.min_split_tokens
-    per_sm = programs_per_sm(tiles, head_dim, itemsize, tuning, fp8)
-    splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning, shortest)
-    # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
-    min_split = math.ceil(shortest / block_n) * block_n
+        splits, min_split = max(1, math.ceil(span / split_size)), split_size
+    elif num_splits is not None:  # split as asked
+        splits, min_split = max(1, int(num_splits)), block_n
+    else:
+        wide = head_dim > 128
+        shortest = tuning.wide_min_split_tokens if wide else tuning.min_split_tokens
+        per_sm = programs_per_sm(tiles, head_dim, itemsize, tuning, fp8)
+        splits = num_splits_for(batch, num_kv_heads, span, num_sms, block_n, per_sm, tuning,
+                                shortest)  # fmt: skip
+        # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
+        min_split = math.ceil(shortest / block_n) * block_n
+    split_tokens = max(min_split, math.ceil(span / splits / block_n) * block_n)
+    if tuning.tiles is None and _short_splits(head_dim, fp8, split_tokens, tuning):
+        tiles = fit_smem(tuning.short_split_tiles, head_dim, itemsize, fp8)
     return SplitPlan(splits, min_split, tiles)
+
+
+def _short_splits(head_dim: int, fp8: bool, split_tokens: int, tuning: DecodeTuning) -> bool:
+    """Whether a plan of ``split_tokens``-token splits takes ``tuning.short_split_tiles`` in
+    place of ``decode_config``'s 16-bit tiles (head dims up to 128, no fp8 tiles)."""
+    lo, hi = tuning.short_split_tokens
+    own = head_dim > 128 or (fp8 and tuning.fp8_tiles is not None)
+    return tuning.short_split_tiles is not None and not own and lo < split_tokens <= hi
 
 
 # one per (sequence, KV head): the last stage-1 program of each merges the splits

@@ -178,18 +178,39 @@ def test_decode_tunings_match_the_reference(tuning):
         assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"lse {tuning} {max_len}")
 
 
-def test_decode_plan_keeps_its_tiles_at_every_split_length():
-    """The heuristic's splits, however long, run decode_config's tiles (a stage fewer for short
-    splits lost on the GPU); explicit tiles are never changed."""
+def test_decode_plan_takes_a_stage_fewer_for_short_splits_only():
+    """The heuristic's plans run decode_config's tiles, and short_split_tiles where the plan's
+    splits are longer than short_split_tokens[0] and at most [1] tokens (B=1, 2 KV heads,
+    head dim 64: 132 SMs give 132 splits); fp8 and wide tiles, explicit tiles, and
+    short_split_tiles None are never changed."""
     from kernels.decode import decode_config, num_splits_for, plan_splits
 
-    base = decode_config(64)
-    for max_len, sms in ((4096, 132), (8192, 132), (131072, 132), (65536, 1)):
+    base, short = decode_config(64), DecodeTuning().short_split_tiles
+    assert short is not None and short != base
+    for max_len, sms, want in (
+        (4096, 132, base),  # 128-token splits: the lower bound is excluded
+        (16384, 132, base),
+        (17000, 132, short),  # 192
+        (65536, 132, short),  # 512
+        (131072, 132, short),  # 1,024: the upper bound is included
+        (140000, 132, base),  # 1,152
+        (65536, 1, base),  # one split
+    ):
         plan = plan_splits(1, 2, 64, 2, max_len, sms)
         assert plan.splits == num_splits_for(1, 2, max_len, sms, base[0], 2), (max_len, sms)
-        assert plan.tiles == base, (max_len, sms)
-    mine = DecodeTuning(tiles=(32, 4, 2))
-    assert plan_splits(1, 2, 64, 2, 65536, 1, mine).tiles == (32, 4, 2)
+        assert plan.tiles == want, (max_len, sms, plan)
+    assert plan_splits(1, 2, 64, 2, 4096, 132, num_splits=8).tiles == short  # 512 tokens
+    assert plan_splits(1, 2, 64, 2, 4096, 132, split_size=2048).tiles == base
+    assert plan_splits(1, 2, 64, 2, 4096, 132, split_size=256).tiles == short
+    for tuning in (DecodeTuning(tiles=(32, 4, 2)), DecodeTuning(short_split_tiles=None),
+                   DecodeTuning(short_split_tokens=(1024, 2048))):  # fmt: skip
+        assert plan_splits(1, 2, 64, 2, 65536, 132, tuning).tiles == (tuning.tiles or base)
+    assert plan_splits(1, 2, 64, 1, 65536, 132, fp8=True).tiles == DecodeTuning().fp8_tiles
+    assert plan_splits(1, 2, 256, 2, 65536, 132).tiles == DecodeTuning().wide_tiles
+    with pytest.raises(ValueError, match="short_split_tokens"):
+        DecodeTuning(short_split_tokens=(512, 256))
+    with pytest.raises(ValueError, match="short_split_tiles"):
+        DecodeTuning(short_split_tiles=(48, 4, 3))
 
 
 def test_decode_tiles_fit_shared_memory():
@@ -766,7 +787,7 @@ def test_decode_wide_tiles_are_the_tuning_for_head_dim_256():
     assert decode_config(128) == decode_config(128, DecodeTuning(wide_tiles=(16, 4, 2)))
     tuning = DecodeTuning(wide_tiles=(16, 4, 3))
     assert plan_splits(1, 2, 256, 2, 65536, 132, tuning).tiles == (16, 4, 3)
-    assert plan_splits(1, 2, 128, 2, 65536, 132, tuning).tiles == decode_config(128)
+    assert plan_splits(1, 2, 128, 2, 4096, 132, tuning).tiles == decode_config(128)
     with pytest.raises(ValueError, match="wide_tiles"):
         DecodeTuning(wide_tiles=(24, 4, 3))
 
