@@ -440,3 +440,43 @@ def test_diag_tiles_of_the_heuristic():
         got = linear_small_m(x, w)
         assert_close(got, x.double() @ w.double().T, TOL[torch.float32], f"default M={m}")
         assert_close(got, want.double(), TOL[torch.float32], f"diag vs not M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", [None, "channel", "block"])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_prefetch_before_the_wait_changes_no_bit(scales, m, act):
+    """A chained launch's first programs ask L2 for their rows before the PDL wait
+    (``prefetch_per_sm``): the same bits as without, every program prefetching or none,
+    eager and replayed from a CUDA graph behind a chained GEMV that writes x (it lets this one
+    launch while it runs)."""
+    n, k, dt = 6144, 4096, torch.bfloat16
+    w = (torch.randn(n, k, device="cuda") / 32).to(dt)
+    ws = None
+    if scales is not None:
+        quantize = quant.quantize_blocks if scales == "block" else quant.quantize_per_channel
+        w, ws = quantize(w)
+    w_in = (torch.randn(k, k, device="cuda") / 64).to(dt)
+    x = torch.empty(m, k, device="cuda", dtype=dt)
+    srcs = [torch.randn(m, k, device="cuda", dtype=dt) for _ in range(2)]
+    src = torch.empty_like(x)
+    outs = {}
+    for per_sm in (0, 4, 1 << 20):  # none, the first programs, all
+
+        def step(per_sm=per_sm):
+            linear_small_m(src, w_in, out=x)  # the kernel before: the wait must hold
+            return linear_small_m(x, w, weight_scale=ws, act=act, prefetch_per_sm=per_sm)
+
+        src.copy_(srcs[0])
+        eager = step().clone()
+        graph, out = capture_graph(step)
+        src.copy_(srcs[1])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[per_sm] = (eager, out.clone())
+    assert not torch.equal(outs[0][0], outs[0][1])  # the replay read the new x
+    for per_sm in (4, 1 << 20):
+        for got, want in zip(outs[per_sm], outs[0]):
+            assert torch.equal(got, want), (per_sm, scales, m, act)
