@@ -108,21 +108,6 @@ def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M
 
 
 @triton.jit
-def _prefetch_rows(rows, k_lo, k_hi, LINES: tl.constexpr):
-    """Ask L2 for columns ``[k_lo, k_hi)`` of the weight rows at ``rows`` [BN, 1] (element
-    pointers), LINES 128-byte lines a row a step (``prefetch.global.L2``: a hint, nothing to
-    wait for; the columns past k_hi clamp to its last line)."""
-    STEP: tl.constexpr = 1024 // rows.dtype.element_ty.primitive_bitwidth  # elements a line
-    offs = tl.arange(0, LINES) * STEP
-    for k0 in range(k_lo, k_hi, LINES * STEP):
-        cols = tl.minimum(k0 + offs, k_hi - 1)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows + cols[None, :]],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
 def _rows(x, ROWS: tl.constexpr):
     """x [R, C] repeated to ROWS rows (R divides ROWS): row r of the result is x's r % R."""
     if x.shape[0] == ROWS:
@@ -262,11 +247,14 @@ def _linear_kernel(
     Calls=None,  # [1] int64, this rank's folded calls (FOLD)
     stride_send=0,  # words of one slot of Send (FOLD)
     FOLD: tl.constexpr = False,  # the output to the peer's slot too, as tagged words
-    prefetch_programs=0,  # PREFETCH: programs (in launch order) that prefetch before the wait
-    PREFETCH: tl.constexpr = 0,  # CHAIN: 128-byte lines a prefetch step asks for a row
 ):
+    pdl_enter(CHAIN)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    tag = 0
+    if FOLD:  # this call's slot of the peer's buffer, its words' tag
+        slot, tag = fold_call(Calls)
+        Send += slot * stride_send
     offs_m = tl.arange(0, BLOCK_M)
     if GATED:  # W is [gate; up], N = 2I rows: tile column c is gate row i (c even) or up row
         half = N // 2  # I + i (c odd), i = pid_n * BLOCK_N / 2 + c // 2, an output column
@@ -289,14 +277,6 @@ def _linear_kernel(
     offs_k = tl.arange(0, PART_K)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    if CHAIN and PREFETCH:  # launched early: the weight is no kernel's output
-        if pid_k * tl.num_programs(0) + pid_n < prefetch_programs:
-            _prefetch_rows(W + w_rows[:, None] * K, k_lo, k_hi, PREFETCH)
-    pdl_enter(CHAIN)
-    tag = 0
-    if FOLD:  # this call's slot of the peer's buffer, its words' tag
-        slot, tag = fold_call(Calls)
-        Send += slot * stride_send
     # Out-of-range rows are clamped, not masked: every weight load is a full, unmasked tile.
     w_ptrs = W + w_rows[:, None] * K + (k_lo + offs_k)[None, :]  # [BN, PK]
     G: tl.constexpr = _DIAG_COLS // BLOCK_M  # DIAG: chunks of each x row
@@ -595,7 +575,6 @@ def linear_small_m(
     act: str | None = None,  # "silu" or "gelu_tanh": the gated MLP's activation, out [M, N/2]
     fold: AllReduceFold | None = None,  # a row-parallel layer's output sent to the peer rank
     diag: bool | None = None,  # M <= 8: x's rows in chunks as the dot's 8 columns (module doc)
-    prefetch_per_sm: int = 4,  # chained: programs a SM that ask L2 for their rows before the wait
 ) -> torch.Tensor:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
@@ -666,9 +645,6 @@ def linear_small_m(
     else:
         part = counters = out  # unused
     block_m = triton.next_power_of_2(m) if diag else 16 if use_dot else 1
-    chained = pdl_kwargs(x.device, chain)
-    # the first programs of a chained launch ask L2 for their weight rows before the wait
-    lines = max(1, 32 * num_warps // block_n) if chained["CHAIN"] and prefetch_per_sm else 0
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, part, counters,
@@ -679,8 +655,8 @@ def linear_small_m(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", W_SCALE=w_scale,
         X_ROWS=triton.next_power_of_2(m) if fp8 else block_m,
         F16_DOT=fp8 and x.dtype != torch.float32, DIAG=diag, GATED=gated,
-        LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **chained, **_fold_args(fold),
-        prefetch_programs=prefetch_per_sm * _num_sms(x.device) if lines else 0, PREFETCH=lines,
+        LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
+        **_fold_args(fold),
     )  # fmt: skip
     return out
 

@@ -191,14 +191,12 @@ def gemv_kernel(
     fold: bool = False,
     split: bool = False,
     diag: bool = False,
-    prefetch: int = 0,
 ):
     """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit (``split``: K split),
     K a multiple of BLOCK_K; ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1
     or 2), ``tile``: (BLOCK_N, BLOCK_K, num_warps, num_stages); ``gated``: the gated MLP's
     epilogue (1 SiLU, 2 GELU-tanh, libdevice's tanh); ``fold``: the output sent to the peer
-    rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``);
-    ``prefetch``: lines a step of the rows' prefetch before the wait (``PREFETCH``)."""
+    rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``)."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
     if fold:
@@ -212,7 +210,7 @@ def gemv_kernel(
                   DOT_PRECISION="ieee" if x == "fp32" else "tf32",
                   X_ROWS=x_rows or (triton.next_power_of_2(m) if fp8 else 16 if dot else 1),
                   F16_DOT=fp8 and x != "fp32", DIAG=diag, GATED=gated, LIBDEVICE=True,
-                  FOLD=fold, PREFETCH=prefetch,
+                  FOLD=fold,
                   **unfolded)  # fmt: skip
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3])
 
@@ -532,20 +530,6 @@ FOLD_VARIANTS = {
 }  # fmt: skip
 
 
-# the chained GEMV's first programs ask L2 for their rows before the PDL wait (``PREFETCH``):
-# each at the tile of its twin (the name without ``prefetch-``), whose loop it must keep
-def _prefetching(w: str, lines: int, **options) -> dict:
-    kernel = gemv_kernel(w, prefetch=lines, **options)
-    return {**gemv_summary(w, prefetch=lines, **options), **pdl_order(kernel)}
-
-
-PREFETCH_VARIANTS = {
-    "prefetch-gemv-bf16-m1-short": lambda: _prefetching("bf16", 16, tile=(8, 512, 4, 3)),
-    "prefetch-gemv-fp8-channel-m1-diag": lambda: _prefetching(
-        "fp8e4nv", 2, tile=_FP8_NARROW, w_scale=1, diag=True),
-}  # fmt: skip
-
-
 def norm_summary(**options) -> dict:
     """``norm_kernel(**options)``'s resources, its PTX's atomics by kind (``atom.*``) and its
     loads that skip L1 (``ld.global.cg``)."""
@@ -576,7 +560,7 @@ def pdl_order(kernel) -> dict:
     ptx = kernel.asm["ptx"].split(".section")[0]
     head = ptx.split("griddepcontrol.wait")[0]
     loads = re.findall(r"\b(ld\.global[\w.]*)", head)
-    prefetches = len(re.findall(r"cp\.async\.bulk\.prefetch|prefetch\.global\.L2", head))
+    prefetches = len(re.findall(r"cp\.async\.bulk\.prefetch", head))
     return {"pdl": re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx),
             "before_wait": {"loads": loads, "l2_prefetch": prefetches}}  # fmt: skip
 
@@ -594,8 +578,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--fp8-configs"]:
         everything, prefixes = fp8_configs(), [""]
     else:
-        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS,
-                      **PREFETCH_VARIANTS}  # fmt: skip
+        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS}
         prefixes = sys.argv[1:] or [""]
     for name in [v for v in everything if v.startswith(tuple(prefixes))]:
         kernel_or_row = everything[name]()

@@ -96,17 +96,3 @@ def test_bf16_diag_takes_a_fraction_of_the_instructions(compiled):
     loop = {name: compiled[name]["loop"]["per_byte"]["sass"] for name in compiled}
     assert loop["gemv-bf16-m1-diag"] <= 0.3 * loop["gemv-bf16-m1"], loop
     assert loop["gemv-bf16-m8-diag"] <= 0.6 * loop["gemv-bf16-m8"], loop
-
-
-def test_the_prefetch_before_the_wait_leaves_the_loop_alone():
-    """A chained GEMV's prefetch of its rows (``PREFETCH``) is issued before the PDL wait,
-    with no load there, and the K loop is its twin's: the same SASS, the same MMAs."""
-    rows = sm90_reports("prefetch-gemv", "gemv-bf16-m1-short", "gemv-fp8-channel-m1-diag")
-    for name in [n for n in rows if n.startswith("prefetch-")]:
-        row, twin = rows[name], rows[name.removeprefix("prefetch-")]
-        assert row["before_wait"] == {"loads": [], "l2_prefetch": 1}, (name, row)
-        assert row["pdl"][0] == "wait", (name, row["pdl"])
-        assert row["stack_bytes"] + row["local_bytes"] == 0, (name, row)
-        assert row["loop"]["sass"] == twin["loop"]["sass"], (name, row["loop"], twin["loop"])
-        assert (row["loop"]["mma"], row["loop"]["wgmma"]) == (
-            twin["loop"]["mma"], twin["loop"]["wgmma"]), name  # fmt: skip
