@@ -489,7 +489,9 @@ class DecodeTuning:
     # decode dummy:llama3.1-8b, batch 1, ms a step, (64, 4, 4) / (64, 4, 3); decode.md,
     # tensor-parallel.md): H200 TP=2 32K (512-token splits) 3.30 / 3.23 (2026-11-27), H100
     # 32K (1,024) 7.06 / 6.98; lost at 128K's 2,018-4,096-token splits (H200 TP=1 7.87 /
-    # 8.05, TP=2 4.73 / 4.84, H100 11.2 / 11.5) and 4K's 128 (9.5 / 10.1 us a call).
+    # 8.05, TP=2 4.73 / 4.84, H100 11.2 / 11.5) and 4K's 128 (9.5 / 10.1 us a call). Since
+    # the L2 prefetch went (session 21) under 1%: H100 16K 6.240 / 6.190, 32K 6.929 / 6.908;
+    # two H100s TP=2 32K 4.099 / 4.086 (2026-11-28, decode.md).
     short_split_tiles: tuple[int, int, int] | None = (64, 4, 3)
     short_split_tokens: tuple[int, int] = (128, 1024)
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
