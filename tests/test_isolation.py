@@ -5,6 +5,7 @@ tokens it would have had without the bad one (``LLMEngine.step``, on ``dummy:tin
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -167,6 +168,8 @@ def test_a_dead_cuda_context_stops_the_engine_instead_of_retrying(monkeypatch):
     monkeypatch.setattr(runner, "execute", assert_on_device)
     monkeypatch.setattr(Config, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "synchronize", dead_sync)
+    died = []  # the engine thread ends by raising: what it raised
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_type))
 
     async def one() -> list:
         params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
@@ -178,5 +181,5 @@ def test_a_dead_cuda_context_stops_the_engine_instead_of_retrying(monkeypatch):
     finally:
         llm.shutdown()
     assert outs[-1].finish_reason == "error" and "EngineDeadError" in outs[-1].error
-    assert isinstance(llm.error, EngineDeadError)
+    assert isinstance(llm.error, EngineDeadError) and died == [EngineDeadError]
     assert calls[0] == 2  # no retry in halves or alone after the device died

@@ -114,6 +114,10 @@ class Peer:
         self.dtype = next(ours.parameters()).dtype
         self.kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.kv_size * self.dtype.itemsize
         self.decode = self.model.forward
+        # the cache's keyword: ``cache`` since transformers 5.2x, ``past_key_values`` before
+        # (a deprecated alias there, to be removed in 5.40)
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.compiled = False
         self.compile_error: str | None = None
         self.warmup = 2
@@ -157,14 +161,14 @@ class Peer:
             part = ids[:, s : s + chunk]
             pos = torch.arange(s, s + part.shape[1], device=self.device)
             out = self.model(
-                input_ids=part, past_key_values=cache, cache_position=pos, use_cache=True,
-                logits_to_keep=1,
+                input_ids=part, cache_position=pos, use_cache=True, logits_to_keep=1,
+                **{self.cache_kw: cache},
             )  # fmt: skip
         return out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
 
     def _step(self, nxt: torch.Tensor, cache, pos: int) -> torch.Tensor:
         cpos = torch.tensor([pos], device=self.device)
-        kw = dict(input_ids=nxt, past_key_values=cache, cache_position=cpos, use_cache=True)
+        kw = {"input_ids": nxt, self.cache_kw: cache, "cache_position": cpos, "use_cache": True}
         try:
             out = self.decode(**kw)
         except torch.cuda.OutOfMemoryError:
