@@ -458,6 +458,7 @@ def _decode_split_kernel(
 _SMEM_PER_SM = 228 << 10  # sm_90; each resident program also holds 1 KB of the driver's
 _SMEM_PER_BLOCK = 232_448  # sm_90: the most one program may ask (227 KB)
 _FIXED_CHUNK = 16  # splits merged per step in split_size mode: the order never depends on S
+_TILES_16BIT = (64, 4, 4)  # decode_config's over 16-bit caches at head dims up to 128
 
 
 @dataclass(frozen=True)
@@ -542,6 +543,10 @@ class DecodeTuning:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
                 _check_tiles(getattr(self, name), name)
+        if self.short_split_tiles and self.short_split_tiles[0] != _TILES_16BIT[0]:
+            raise ValueError(f"DecodeTuning.short_split_tiles {self.short_split_tiles}: BLOCK_N "
+                             f"must be the 16-bit tiles' {_TILES_16BIT[0]} (the plan's splits "
+                             "are counted in it)")  # fmt: skip
         lo, hi = self.short_split_tokens
         if not 0 <= lo <= hi:
             raise ValueError(f"DecodeTuning.short_split_tokens {self.short_split_tokens}: "
@@ -609,17 +614,13 @@ def decode_config(
     shared memory, 2 programs per SM). H100, 6 configs at 7 points (B 1-32, 4K-128K), each at
     its own heuristic split count: (64, 4, 4) fastest at 6, 1.2% behind (64, 4, 3) at B=8/4K;
     (64, 4, 3) 0-8% slower, (64, 4, 2) (one tile in flight) up to 28% (B=1/4K), BLOCK_N 32 or
-    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). (64, 4, 3) for splits of up to
-    4,096 tokens (a rule until 2026-11-27; a 128K graph's plan ran it at every context) lost
-    at 128K end to end (bench decode dummy:llama3.1-8b batch 1, ms a step, four / three
-    stages, docs/benchmarks/decode.md): H200 TP=1 7.87 / 8.05, TP=2 4.73 / 4.84, H100 11.2 /
-    11.5; it won at 32K by 1-2% (H100 7.06 / 6.98, H200 TP=2 3.30 / 3.23): ``plan_splits``
-    takes ``tuning.short_split_tiles`` for plans of such splits (``short_split_tokens``). Head
-    dims over 128: ``tuning.wide_tiles``; an fp8 cache read with f16 dots:
-    ``tuning.fp8_tiles`` when set."""
+    8 warps 1-31% slower (docs/benchmarks/kernels-notes.md). End to end a stage fewer wins
+    at 129-1,024-token splits only: ``plan_splits`` takes ``tuning.short_split_tiles`` for
+    plans of such splits (the measurements beside that field). Head dims over 128:
+    ``tuning.wide_tiles``; an fp8 cache read with f16 dots: ``tuning.fp8_tiles`` when set."""
     if head_dim > 128:
         return tuning.wide_tiles
-    return tuning.fp8_tiles if fp8 and tuning.fp8_tiles is not None else (64, 4, 4)
+    return tuning.fp8_tiles if fp8 and tuning.fp8_tiles is not None else _TILES_16BIT
 
 
 def fit_smem(
