@@ -73,6 +73,8 @@ from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
 from kernels.fold import AllReduceFold, fold_call, fold_send
 from kernels.fp8 import fp8_linear
+from kernels.norm import rms_norm
+from kernels.reference import RowNorm
 
 MAX_M = 16
 # _linear_kernel's GATED: the activation of a gated MLP's fused gate/up projection, by the
@@ -84,13 +86,16 @@ _GATED_GELU_TANH = tl.constexpr(GATED_ACTS["gelu_tanh"])  # a jit function reads
 @triton.jit
 def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
                stride_om, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr,
-               LIBDEVICE: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+               LIBDEVICE: tl.constexpr, FOLD: tl.constexpr, Res=None, stride_rm=0, SumSq=None,
+               tile=0, stride_sq=0, ADD_RES: tl.constexpr = False):  # fmt: skip
     """acc [BM, BN] fp32, column j the sum of weight row ``offs_n[j]`` (valid where
     ``n_mask``): ``y = acc (* scale[row]) (+ bias[row])``, then out[m, col0 + j] = y[m, j]
     (GATED 0), or with GATED the act of each even column times the odd one after it,
     ``act(y[m, 2j]) * y[m, 2j + 1]`` (SiLU: 1, GELU-tanh: 2), in fp32; for m < M and output
     columns < n_out. FOLD: the same values into ``Send`` too, as words tagged ``tag`` (the
-    peer's slot, rows of n_out: ``kernels.fold``)."""
+    peer's slot, rows of n_out: ``kernels.fold``). ADD_RES: y rounded to out's dtype, then
+    ``out = res + y`` rounded again (the residual add), and the tile's sum of ``out[m]**2``
+    over its columns, float32, stored at ``SumSq + tile + m * stride_sq``."""
     if ROW_SCALE:
         acc *= tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -102,6 +107,11 @@ def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M
     ptrs = Out + offs_m[:, None] * stride_om + offs_o[None, :]
     mask = (offs_m < M)[:, None] & (offs_o < n_out)[None, :]
     y = acc.to(Out.dtype.element_ty)
+    if ADD_RES:  # as kernels.reference.add_rms_norm adds: both rounded, summed, rounded
+        r = tl.load(Res + offs_m[:, None] * stride_rm + offs_o[None, :], mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
+        yf = tl.where(mask, y.to(tl.float32), 0.0)
+        tl.store(SumSq + tile + offs_m * stride_sq, tl.sum(yf * yf, 1), mask=offs_m < M)
     tl.store(ptrs, y, mask=mask)
     if FOLD:
         fold_send(Send + offs_m[:, None] * n_out + offs_o[None, :], y, mask, tag)
@@ -118,6 +128,29 @@ def _rows(x, ROWS: tl.constexpr):
                       [ROWS, x.shape[1]])  # fmt: skip
 
 
+@triton.jit
+def _normed_x(x, nw, x_rstd):
+    """RMSNorm of loaded x values with ``kernels.reference.rms_norm``'s rounding (as
+    ``kernels.norm``'s): ``nw * (x * x_rstd)``, rounded to x's dtype before the weight and
+    after it. ``nw``: the norm's weight at x's columns; ``x_rstd``: float32 ``1 / sqrt(mean(
+    row**2) + eps)`` of each value's row, broadcast to x's shape."""
+    normed = (x.to(tl.float32) * x_rstd).to(x.dtype)
+    return (nw.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _rows_rstd(SumSq, rows, n_parts, K, eps, PARTS: tl.constexpr):
+    """float32 ``1 / sqrt(mean(x[r]**2) + eps)`` for x's rows ``rows`` [R] (x [M, K]) from the
+    ``n_parts`` partial sums of squares of each row (``SumSq`` [M, n_parts], a producing GEMV's
+    tiles: ``_store_out``'s ADD_RES), PARTS at a time, summed in one order in every program."""
+    total = tl.zeros([rows.shape[0]], tl.float32)
+    for p0 in range(0, n_parts, PARTS):
+        offs = p0 + tl.arange(0, PARTS)
+        total += tl.sum(tl.load(SumSq + rows[:, None] * n_parts + offs[None, :],
+                                mask=(offs < n_parts)[None, :], other=0.0), 1)  # fmt: skip
+    return tl.math.rsqrt(total / K + eps)  # [R]
+
+
 # DIAG: the dot 8 columns wide (mma.sync's narrowest N): x's M rows (a power of two <= 8) of 8 / M
 # chunks each. sm_90 compile reports (tests/sm90_compile.py), SASS per weight byte of the K loop
 # at M = 1, fp8 per channel, against x repeated to 16 columns: (16, 256, 1 warp) 1.41 / 2.89,
@@ -130,7 +163,8 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, W_SCALE: tl.constexpr,
                F16_DOT: tl.constexpr, SCALE_X: tl.constexpr, TRACK_X: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, DIAG: tl.constexpr):  # fmt: skip
+               DOT_PRECISION: tl.constexpr, DIAG: tl.constexpr, nw_ptrs=None, x_rstd=None,
+               NORM_X: tl.constexpr = False):  # fmt: skip
     """The reduction over K steps ``[k_lo, k_hi)`` with ``tl.dot``: ``acc[n, m] = sum_k w[n, k]
     * x[m, k]`` [BLOCK_N, BLOCK_M] fp32, x's rows repeated to BLOCK_M (``_rows``). A step loads
     BLOCK_K columns in parts as wide as the pointers ``w_ptrs`` [BN, PK] and ``x_ptrs`` [XM, PK]
@@ -141,6 +175,9 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
     ``x_scale`` [XM] first, TRACK_X (bf16 x): also return ``max_k |x[m, k]|`` per loaded row
     (else zeros), kept as bf16 bits (their order is the values'; 2-byte registers where float32
     took 4). ``offs_x``: x's columns within a part, the shape of ``x_ptrs`` (its K mask).
+    NORM_X: x's rows are RMSNormed as they are loaded (``_normed_x``; ``nw_ptrs``: the norm's
+    weight, x_ptrs' shape; ``x_rstd``: each row's 1 / rms, broadcast over x's rows), before
+    anything else touches them.
 
     DIAG (x's rows a power of two BLOCK_M <= 8, no repeats): each row's part is read as G =
     8 / BLOCK_M chunks, ``x_ptrs`` [PK / G, 8] (column ``m G + g``: chunk g of row m), and the
@@ -162,12 +199,19 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
             if EVEN_K:
                 w = tl.load(w_ptrs + part, eviction_policy="evict_first")
                 x = tl.load(x_ptrs + part, eviction_policy="evict_last")
+                if NORM_X:
+                    nw = tl.load(nw_ptrs + part, eviction_policy="evict_last")
             else:
                 k_mask = (k0 + part + offs_k) < k_hi
                 w = tl.load(w_ptrs + part, mask=k_mask[None, :], other=0.0,
                             eviction_policy="evict_first")  # fmt: skip
                 x = tl.load(x_ptrs + part, mask=(k0 + part + offs_x) < k_hi, other=0.0,
                             eviction_policy="evict_last")  # fmt: skip
+                if NORM_X:
+                    nw = tl.load(nw_ptrs + part, mask=(k0 + part + offs_x) < k_hi, other=0.0,
+                                 eviction_policy="evict_last")  # fmt: skip
+            if NORM_X:
+                x = _normed_x(x, nw, x_rstd)
             if TRACK_X:
                 amax = tl.maximum(amax, x.to(tl.int16, bitcast=True) & 0x7FFF)
             if SCALE_X and DIAG:
@@ -195,6 +239,8 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        if NORM_X:
+            nw_ptrs += BLOCK_K
     if DIAG:  # out[n, m] = sum_g acc[G n + g, m G + g]; amax [PK / G, 8] -> [BM, PK / G * G]
         acc = tl.reshape(acc, [BLOCK_N, G, BLOCK_M, G])
         eye = tl.arange(0, G)[:, None] == tl.arange(0, G)[None, :]  # [G, G]
@@ -247,6 +293,16 @@ def _linear_kernel(
     Calls=None,  # [1] int64, this rank's folded calls (FOLD)
     stride_send=0,  # words of one slot of Send (FOLD)
     FOLD: tl.constexpr = False,  # the output to the peer's slot too, as tagged words
+    Res=None,  # [M, N] the residual stream (ADD_RES)
+    SumSq=None,  # [M, cdiv(N, BLOCK_N)] float32: each tile's sum of out**2 by row (ADD_RES)
+    stride_rm=0,
+    ADD_RES: tl.constexpr = False,  # out = res + the product, and its sums of squares
+    NormSq=None,  # [M, P] float32: P partial sums of squares of each x row (NORM_X)
+    NormW=None,  # [K] the norm's weight (NORM_X)
+    norm_parts=0,  # P
+    norm_eps=0.0,
+    NORM_PARTS: tl.constexpr = 1,  # partial sums loaded at a time (a power of two)
+    NORM_X: tl.constexpr = False,  # x's rows RMSNormed as they are loaded
 ):
     pdl_enter(CHAIN)
     pid_n = tl.program_id(0)
@@ -289,6 +345,19 @@ def _linear_kernel(
         x_rows = tl.minimum(tl.arange(0, X_ROWS), M - 1)  # rows past M re-read row M - 1
         offs_x = offs_k[None, :]
         x_ptrs = X + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [XM, PK]
+    else:  # M = 1, elementwise
+        x_rows = tl.zeros([1], tl.int32)
+        offs_x = offs_k[None, :]
+    nw_ptrs = None
+    x_rstd = None
+    if NORM_X:  # the norm's weight beside x; each loaded row's 1 / rms where x's rows lie
+        nw_ptrs = NormW + (k_lo + offs_x)
+        if USE_DOT and DIAG:  # each row's once, then over its G chunks' columns
+            rstd = _rows_rstd(NormSq, tl.minimum(tl.arange(0, BLOCK_M), M - 1), norm_parts, K,
+                              norm_eps, NORM_PARTS)  # fmt: skip
+            x_rstd = tl.reshape(tl.broadcast_to(rstd[:, None], [BLOCK_M, G]), [_DIAG_COLS])[None, :]
+        else:
+            x_rstd = _rows_rstd(NormSq, x_rows, norm_parts, K, norm_eps, NORM_PARTS)[:, None]
     if USE_DOT:
         # BLOCK_N divides 128 (block scales): the tile's rows share one row of scale blocks;
         # gated, its gate rows one and its up rows another (I a multiple of BLOCK_N / 2; one
@@ -307,7 +376,8 @@ def _linear_kernel(
         range_check: tl.constexpr = F16_DOT and X.dtype.element_ty == tl.bfloat16
         acc, amax = _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, None, k_lo, k_hi,
                                offs_k, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, W_SCALE,
-                               F16_DOT, False, range_check, DOT_PRECISION, DIAG)  # fmt: skip
+                               F16_DOT, False, range_check, DOT_PRECISION, DIAG, nw_ptrs,
+                               x_rstd, NORM_X)  # fmt: skip
         if range_check:
             redo = (amax > _F16_MAX) | ((amax < _X_SMALL) & (amax > 0))  # [XM]
             if tl.max(redo.to(tl.int32), 0) > 0:  # rare: the steps again, those rows scaled
@@ -317,7 +387,7 @@ def _linear_kernel(
                 acc, _ = _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, tl.exp2(-e),
                                     k_lo, k_hi, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
                                     EVEN_K, W_SCALE, F16_DOT, True, False, DOT_PRECISION,
-                                    DIAG)  # fmt: skip
+                                    DIAG, nw_ptrs, x_rstd, NORM_X)  # fmt: skip
                 acc *= tl.trans(_rows(tl.exp2(e)[:, None], BLOCK_M))  # [1, BM]
         acc = tl.trans(acc)  # [BM, BN]
     else:  # M = 1, unquantized: x [1, BK] broadcast over the rows, summed once at the end
@@ -327,13 +397,22 @@ def _linear_kernel(
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
                 x = tl.load(x_ptrs, eviction_policy="evict_last")
+                if NORM_X:
+                    nw = tl.load(nw_ptrs, eviction_policy="evict_last")
             else:
                 k_mask = (k0 + offs_k) < k_hi
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
                 x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_last")
+                if NORM_X:
+                    nw = tl.load(nw_ptrs, mask=k_mask[None, :], other=0.0,
+                                 eviction_policy="evict_last")  # fmt: skip
+            if NORM_X:
+                x = _normed_x(x, nw, x_rstd)
             acc2 += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            if NORM_X:
+                nw_ptrs += BLOCK_K
         acc = tl.sum(acc2, 1)[None, :]  # [1, BN]
 
     if SPLIT:  # partials by weight row: [S, M, N]
@@ -355,11 +434,12 @@ def _linear_kernel(
                 live = (idx < num_splits)[:, None, None] & out_mask[None, :, :]
                 total += tl.sum(tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg"), 0)
             _store_out(total, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M,
-                       n_out, stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE,
-                       FOLD)  # fmt: skip
+                       n_out, stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD, Res,
+                       stride_rm, SumSq, pid_n, tl.num_programs(0), ADD_RES)  # fmt: skip
     else:
         _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
-                   stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD)  # fmt: skip
+                   stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD, Res, stride_rm,
+                   SumSq, pid_n, tl.num_programs(0), ADD_RES)  # fmt: skip
 
 
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
@@ -575,7 +655,9 @@ def linear_small_m(
     act: str | None = None,  # "silu" or "gelu_tanh": the gated MLP's activation, out [M, N/2]
     fold: AllReduceFold | None = None,  # a row-parallel layer's output sent to the peer rank
     diag: bool | None = None,  # M <= 8: x's rows in chunks as the dot's 8 columns (module doc)
-) -> torch.Tensor:  # [M, N] in x.dtype ([M, N/2] with act)
+    residual: torch.Tensor | None = None,  # [M, N]: out = residual + the product, and its sums
+    norm: RowNorm | None = None,  # x's rows RMSNormed as they are loaded
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
     ``act``: ``weight`` is a gated MLP's fused ``[gate; up]`` projection (``[2I, K]``, gate
@@ -604,6 +686,15 @@ def linear_small_m(
     times the rows (``_dot_steps``), where it otherwise repeats x to 16 columns (and where M = 1
     on a float weight otherwise multiplies elementwise): half the MMAs and x converted once.
     None: ``gemv_config``'s choice without ``config``, off with it.
+
+    ``residual`` (a sublayer's last projection; not with ``act`` or ``fold``): ``out =
+    residual + product``, both rounded to x's dtype first (``kernels.reference.add_rms_norm``'s
+    sum), returned with ``sumsq`` [M, P] float32, each of the P output tiles' sum of ``out**2``
+    by row: what the norm after the add needs, so that the GEMV reading the normed rows can
+    apply it (``norm``) and the norm's own kernel goes. ``norm`` (``RowNorm``): x is the
+    residual stream and the product is the one of ``rms_norm(x, norm.weight, norm.eps)``,
+    rounded as ``kernels.norm`` rounds it, computed as x is loaded from the row sums of
+    squares ``norm.sumsq`` (the order of the float32 sum differs from the norm kernel's).
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)
@@ -619,6 +710,14 @@ def linear_small_m(
         if gated:
             raise ValueError("fold takes a row-parallel layer's output, not a gated one")
         fold.check(out, "the GEMV's output")
+    if residual is not None:
+        if gated or fold is not None:
+            raise ValueError("residual takes a projection's own output: not with act or fold")
+        if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"residual must be {x.dtype} [{m}, {n}] with contiguous rows; got "
+                             f"{residual.dtype} {tuple(residual.shape)}")  # fmt: skip
+    if norm is not None:
+        norm.check(x)
     if config is None:
         *config, picked = gemv_config(m, n, k, _num_sms(x.device), w_scale)
         diag = picked if diag is None else diag
@@ -645,6 +744,9 @@ def linear_small_m(
     else:
         part = counters = out  # unused
     block_m = triton.next_power_of_2(m) if diag else 16 if use_dot else 1
+    sumsq = None
+    if residual is not None:
+        sumsq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, part, counters,
@@ -656,9 +758,31 @@ def linear_small_m(
         X_ROWS=triton.next_power_of_2(m) if fp8 else block_m,
         F16_DOT=fp8 and x.dtype != torch.float32, DIAG=diag, GATED=gated,
         LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
-        **_fold_args(fold),
+        **_fold_args(fold), **_residual_args(residual, sumsq), **_norm_args(norm),
     )  # fmt: skip
-    return out
+    return out if residual is None else (out, sumsq)
+
+
+# _linear_kernel's NORM_PARTS: partial sums of squares loaded at a time (registers: 16 rows of
+# 256 over 4 warps are 32 a thread)
+_NORM_PARTS = 256
+
+
+def _residual_args(residual: torch.Tensor | None, sumsq: torch.Tensor | None) -> dict:
+    """_linear_kernel's ADD_RES arguments."""
+    if residual is None:
+        return dict(ADD_RES=False)
+    return dict(Res=residual, SumSq=sumsq, stride_rm=residual.stride(0), ADD_RES=True)
+
+
+def _norm_args(norm: RowNorm | None) -> dict:
+    """_linear_kernel's NORM_X arguments."""
+    if norm is None:
+        return dict(NORM_X=False)
+    parts = norm.sumsq.shape[1]
+    chunk = min(triton.next_power_of_2(parts), _NORM_PARTS)
+    return dict(NormSq=norm.sumsq, NormW=norm.weight, norm_parts=parts, norm_eps=norm.eps,
+                NORM_PARTS=chunk, NORM_X=True)  # fmt: skip
 
 
 def _fold_args(fold: AllReduceFold | None) -> dict:
@@ -707,17 +831,49 @@ def linear(
     *,
     chain: bool = True,
     fold: AllReduceFold | None = None,
+    norm: RowNorm | None = None,
 ) -> torch.Tensor:  # [T, N]
     """``F.linear`` for the Triton backend: ``linear_small_m`` on CUDA at decode batch sizes
     (1 <= T <= MAX_M, contiguous weight and rows, taking ``chain`` as it does); above, cuBLAS,
     or for a float8 weight ``kernels.fp8.fp8_linear`` (FP8 tensor cores). ``fold`` (a
     row-parallel layer's all-reduce folded into this GEMV and the norm after it): always
-    ``linear_small_m``, which refuses operands it cannot stream."""
+    ``linear_small_m``, which refuses operands it cannot stream. ``norm``: of
+    ``rms_norm(x, norm.weight, norm.eps)``, normed as the GEMV loads x (elsewhere by the norm's
+    kernel first)."""
     if fold is not None or _streams(x, weight):
-        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, fold=fold)
+        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, fold=fold,
+                              norm=norm)  # fmt: skip
+    if norm is not None:
+        x = rms_norm(x, norm.weight, norm.eps, chain=chain)
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def fuses_norms(x: torch.Tensor) -> bool:
+    """Whether ``linear_add`` and ``linear(norm=)`` fold the norm between them into their GEMVs
+    for activations like ``x`` [T, K] (CUDA, decode batch sizes)."""
+    return x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+
+
+def linear_add(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]: x's dtype, or float8 e4m3 with weight_scale
+    bias: torch.Tensor | None,  # [N]
+    weight_scale: torch.Tensor | None,  # fp32 [N] or [cdiv(N, 128), cdiv(K, 128)]
+    residual: torch.Tensor,  # [T, N], the residual stream
+    *,
+    chain: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # residual + linear(x), sumsq [T, P] float32
+    """A sublayer's last projection added to the residual stream
+    (``kernels.reference.linear_add``), with the partial sums of squares of the sum's rows
+    that the next norm needs (``RowNorm``): where ``linear`` streams the weight, its GEMV's
+    tiles' (``linear_small_m(residual=)``); elsewhere one sum a row."""
+    if _streams(x, weight):
+        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain,
+                              residual=residual)  # fmt: skip
+    h = residual + linear(x, weight, bias, weight_scale, chain=chain)
+    return h, h.float().square().sum(-1, keepdim=True)
 
 
 def linear_act_and_mul(
@@ -728,18 +884,20 @@ def linear_act_and_mul(
     act: str = "silu",  # or "gelu_tanh"
     *,
     chain: bool = True,
+    norm: RowNorm | None = None,
 ) -> torch.Tensor:  # [T, I]
     """A gated MLP's gate/up projection and activation, ``act(gate) * up``, for the Triton
     backend (``kernels.reference.linear_act_and_mul``): where ``linear`` streams the weight
     (``_streams``), one ``linear_small_m`` with the activation in its epilogue (one launch
     fewer a layer; ``_fuses``); elsewhere (prefill sizes, the CPU) ``linear``, then the
-    activation kernel.
+    activation kernel. ``norm`` as ``linear``'s.
     Both join the PDL chain as ``chain`` says."""
     if act not in _ACT_AND_MUL:
         raise ValueError(f"act must be one of {', '.join(_ACT_AND_MUL)}, not {act!r}")
     if _fuses(x, weight, weight_scale):
-        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, act=act)
-    gate_up = linear(x, weight, bias, weight_scale, chain=chain)  # [T, 2I]
+        return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain, act=act,
+                              norm=norm)  # fmt: skip
+    gate_up = linear(x, weight, bias, weight_scale, chain=chain, norm=norm)  # [T, 2I]
     return _ACT_AND_MUL[act](gate_up, chain=chain)
 
 

@@ -31,6 +31,8 @@ equal within float32 rounding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -38,14 +40,42 @@ from kernels.kv_quant import check_kv_scales, dequantize_fp8, quantize_fp8
 from kernels.quant import dequantize
 
 
+class RowNorm(NamedTuple):
+    """An RMSNorm left to the linear layer that reads its output (``kernels.gemv``'s
+    ``norm=``; ``linear``'s here): that layer's x is the un-normed residual
+    stream [M, K], and ``sumsq`` [M, P] float32 holds P partial sums of ``x**2`` of each row,
+    whose total gives the row's 1 / rms (the sums a ``linear_add`` returns with the rows)."""
+
+    sumsq: torch.Tensor  # [M, P] float32
+    weight: torch.Tensor  # [K], x's dtype
+    eps: float
+
+    def check(self, x: torch.Tensor) -> None:
+        """Refuse a norm that does not fit ``x`` [M, K]."""
+        m, k = x.shape
+        if self.weight.shape != (k,) or self.weight.dtype != x.dtype:
+            raise ValueError(f"the norm's weight must be {x.dtype} [{k}]; got "
+                             f"{self.weight.dtype} {tuple(self.weight.shape)}")  # fmt: skip
+        s = self.sumsq
+        if s.dim() != 2 or s.shape[0] != m or s.shape[1] < 1 or s.dtype != torch.float32:
+            raise ValueError(f"the norm's sums must be float32 [{m}, P >= 1]; got {s.dtype} "
+                             f"{tuple(s.shape)}")  # fmt: skip
+        if not s.is_contiguous() or s.device != x.device or self.weight.device != x.device:
+            raise ValueError("the norm's sums must be contiguous, on x's device with its weight")
+
+
 def linear(
     x: torch.Tensor,  # [T, K]
     weight: torch.Tensor,  # [N, K]: x's dtype, or float8 e4m3 with weight_scale
     bias: torch.Tensor | None = None,  # [N]
     weight_scale: torch.Tensor | None = None,  # fp32 [N] or [cdiv(N, 128), cdiv(K, 128)]
+    norm: RowNorm | None = None,
 ) -> torch.Tensor:  # [T, N]
     """``x @ weight.T + bias``; a float8 weight is first dequantized to x's dtype
-    (``kernels.quant.dequantize``: ``weight * scale`` in float32, then rounded)."""
+    (``kernels.quant.dequantize``: ``weight * scale`` in float32, then rounded). ``norm``: of
+    x RMSNormed first, from the row sums of squares it carries (``rows_normed``)."""
+    if norm is not None:
+        x = rows_normed(x, norm)
     if weight_scale is not None:
         weight = dequantize(weight, weight_scale, x.dtype)
     return F.linear(x, weight, bias)
@@ -67,6 +97,28 @@ def rms_norm(
     if unit_offset:
         return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
+
+
+def rows_normed(x: torch.Tensor, norm: RowNorm) -> torch.Tensor:  # [T, K]
+    """``rms_norm(x, norm.weight, norm.eps)`` with each row's mean square taken from
+    ``norm.sumsq`` (its partial sums of squares: what a ``linear_add`` left for the next
+    norm), rounded as ``rms_norm`` rounds."""
+    norm.check(x)
+    rstd = torch.rsqrt(norm.sumsq.sum(-1, keepdim=True) / x.shape[-1] + norm.eps)
+    return norm.weight * (x.float() * rstd).to(x.dtype)
+
+
+def linear_add(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]: x's dtype, or float8 e4m3 with weight_scale
+    bias: torch.Tensor | None,  # [N]
+    weight_scale: torch.Tensor | None,
+    residual: torch.Tensor,  # [T, N], the residual stream
+) -> tuple[torch.Tensor, torch.Tensor]:  # residual + linear(x), sumsq [T, 1] float32
+    """A sublayer's last projection added to the residual stream, with the sum of squares of
+    each row of that sum (``RowNorm``'s ``sumsq``: the next norm's)."""
+    h = residual + linear(x, weight, bias, weight_scale)
+    return h, h.float().square().sum(-1, keepdim=True)
 
 
 def add_rms_norm(
@@ -114,10 +166,11 @@ def linear_act_and_mul(
     bias: torch.Tensor | None = None,  # [2I]
     weight_scale: torch.Tensor | None = None,  # fp32 [2I] or [cdiv(2I, 128), cdiv(K, 128)]
     act: str = "silu",  # or "gelu_tanh"
+    norm: RowNorm | None = None,
 ) -> torch.Tensor:  # [T, I]
     """A gated MLP's fused gate/up projection and its activation: ``act(gate) * up`` of
-    ``linear(x, weight, bias, weight_scale)``, rounding where the two calls round."""
-    return _ACT_AND_MUL[act](linear(x, weight, bias, weight_scale))
+    ``linear(x, weight, bias, weight_scale, norm)``, rounding where the two calls round."""
+    return _ACT_AND_MUL[act](linear(x, weight, bias, weight_scale, norm))
 
 
 _ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}

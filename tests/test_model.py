@@ -24,10 +24,11 @@ from model_utils import (
 from transformers.models.llama import modeling_llama as hf_llama
 
 from flashserve.models import get_model_class
-from flashserve.models.attention import load_backend
+from flashserve.models.attention import TorchBackend, load_backend
 from flashserve.models.config import ModelConfig
 from flashserve.models.decoder import DecoderForCausalLM, RMSNorm, build_model, init_random
 from flashserve.models.rope import RotaryEmbedding
+from kernels import reference as torch_ops
 from kernels.reference import rope_write_kv
 
 PROMPT_LENS = [1, 17, 40, 5]  # the one-token prompt runs as a decode token
@@ -58,6 +59,26 @@ def test_logits_match_transformers_bf16():
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     prompts = random_prompts([9, 33], TINY["vocab_size"])
     assert_close(run_prompts(model, prompts), hf_logits(hf, prompts), 2e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_norms_left_to_the_projections_match_transformers(variant, dtype, tol):
+    """A backend that fuses the norms between projections (``fuses_norms``: o_proj and down
+    add to the stream and leave its sums of squares, qkv and gate/up norm as they read): no
+    add_rms_norm runs, and the logits are transformers' and the unfused model's."""
+    hf = make_hf(variant, dtype)
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    backend = TorchBackend(fuse_norms=True)
+    calls = []
+    backend.add_rms_norm = lambda *a, **k: calls.append(a) or torch_ops.add_rms_norm(*a, **k)
+    model = build_model(config, backend, "cpu", dtype)
+    model.load_weights(hf.state_dict().items())
+    prompts = random_prompts([1, 9, 33], TINY["vocab_size"])
+    ours = run_prompts(model, prompts)
+    assert not calls, "a norm between projections ran on its own"
+    assert_close(ours, hf_logits(hf, prompts), tol)
+    assert_close(ours, run_prompts(ours_from_hf(hf, dtype), prompts), tol / 10)
 
 
 def test_config_from_transformers_configs():

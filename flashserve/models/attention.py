@@ -42,6 +42,7 @@ class AttentionMetadata:
 # the operations a backend provides, all with the signatures of ``kernels.reference``
 BACKEND_OPS = (
     "linear",
+    "linear_add",
     "rms_norm",
     "add_rms_norm",
     "norm_add_norm",
@@ -66,7 +67,12 @@ class AttentionBackend(ABC):
     """
 
     name: str
-    linear: Op  # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]
+    # (x [T, K], weight [N, K], bias [N] | None, weight_scale=None, norm: RowNorm = None)
+    # -> [T, N]; with ``norm`` the product of x RMSNormed from the row sums it carries
+    linear: Op
+    # (x, weight, bias, weight_scale, residual [T, N]) -> (residual + linear(x), sumsq [T, P]):
+    # a sublayer's last projection added to the stream, the next norm's sums beside it
+    linear_add: Op
     rms_norm: Op  # (x [T, H], weight [H], eps, unit_offset=False) -> [T, H]
     add_rms_norm: Op  # (x, residual, weight, eps, unit_offset=False) -> (normed, new residual)
     # (x, residual, post_weight, weight, eps, unit_offset=False) -> (normed, new residual):
@@ -74,8 +80,9 @@ class AttentionBackend(ABC):
     norm_add_norm: Op
     silu_and_mul: Op  # [T, 2I] -> [T, I]
     gelu_tanh_and_mul: Op  # [T, 2I] -> [T, I]
-    # (x [T, K], weight [2I, K] = [gate; up], bias, weight_scale, act) -> [T, I]: the gated
-    # MLP's projection and activation (act "silu" or "gelu_tanh"), where a backend may fuse
+    # (x [T, K], weight [2I, K] = [gate; up], bias, weight_scale, act, norm=None) -> [T, I]:
+    # the gated MLP's projection and activation (act "silu" or "gelu_tanh"), where a backend
+    # may fuse
     linear_act_and_mul: Op
     # (qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv, q_norm=None, k_norm=None,
     #  norm_eps=1e-6, norm_unit_offset=False, *, k_scale=None, v_scale=None) -> q [T, Hq, D]
@@ -96,6 +103,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def _ops(self) -> dict[str, Op]:
         """Each of ``BACKEND_OPS``, by name (imported here: the kernels load on first use)."""
+
+    def fuses_norms(self, x: torch.Tensor) -> bool:
+        """Whether a step of activations ``x`` [T, hidden] should leave each norm between two
+        projections to them: the first adds to the residual stream (``linear_add``), the second
+        norms as it reads (``norm=``), and the norm's own op is not called. False unless the
+        backend says (both ways compute the same values)."""
+        return False
 
     # ---- metadata ------------------------------------------------------------------------
 
@@ -159,6 +173,13 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, fuse_norms: bool = False) -> None:
+        self.fuse_norms = fuse_norms  # the fused ops' plain versions (tests of the model's path)
+        super().__init__()
+
+    def fuses_norms(self, x: torch.Tensor) -> bool:
+        return self.fuse_norms
+
     def _ops(self) -> dict[str, Op]:
         from kernels import reference
 
@@ -173,20 +194,30 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, pdl_chain: bool = True, prefill_path: str = "portable") -> None:
+    def __init__(self, pdl_chain: bool = True, prefill_path: str = "portable",
+                 fuse_norms: bool = True) -> None:  # fmt: skip
         self.pdl_chain = pdl_chain  # read by _ops, which the base class calls
         self.prefill_path = prefill_path
+        self.fuse_norms = fuse_norms
         super().__init__()
+
+    def fuses_norms(self, x: torch.Tensor) -> bool:
+        """At decode batch sizes on CUDA, where the GEMVs stream their weights (the norm's
+        launch goes: fp8 weights + cache at 4K on an H100, docs/benchmarks/fp8.md)."""
+        from kernels.gemv import fuses_norms
+
+        return self.fuse_norms and fuses_norms(x)
 
     def _ops(self) -> dict[str, Op]:
         from kernels.activation import gelu_tanh_and_mul, silu_and_mul
         from kernels.decode import decode_attention
-        from kernels.gemv import linear, linear_act_and_mul
+        from kernels.gemv import linear, linear_act_and_mul, linear_add
         from kernels.norm import add_rms_norm, norm_add_norm, rms_norm
         from kernels.prefill import prefill_attention
         from kernels.rope import rope_write_kv
 
-        chained = {"linear": linear, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm,
+        chained = {"linear": linear, "linear_add": linear_add, "rms_norm": rms_norm,
+                   "add_rms_norm": add_rms_norm,
                    "norm_add_norm": norm_add_norm, "silu_and_mul": silu_and_mul,
                    "gelu_tanh_and_mul": gelu_tanh_and_mul, "rope_write_kv": rope_write_kv,
                    "decode_attention": decode_attention,

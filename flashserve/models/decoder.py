@@ -54,6 +54,7 @@ from flashserve.models.weights import (
     weight_slots,
 )
 from kernels.quant import quantize_blocks, quantize_per_channel
+from kernels.reference import RowNorm
 
 if TYPE_CHECKING:  # the Triton backend's; the model only passes it on
     from kernels.fold import AllReduceFold
@@ -92,6 +93,11 @@ class RMSNorm(nn.Module):
             return self.ops.norm_add_norm(x, residual, post.weight, self.weight, self.eps,
                                           **kwargs)  # fmt: skip
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **kwargs)
+
+    def deferred(self, sumsq: torch.Tensor) -> RowNorm:
+        """This norm, left to the projection that reads its output: rows whose partial sums
+        of squares are ``sumsq`` [T, P] (a ``Linear.add_to``'s)."""
+        return RowNorm(sumsq, self.weight, self.eps)
 
 
 def _norm(config: ModelConfig, backend: AttentionBackend, size: int | None = None) -> RMSNorm:
@@ -138,11 +144,22 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         fold: AllReduceFold | None = None,  # o_proj's output sent to the other rank too
     ) -> torch.Tensor:  # [T, hidden]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(x, positions, ropes, kv_cache, meta), fold)
+
+    def attend(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,
+        ropes: list[Rope],
+        kv_cache: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+        norm: RowNorm | None = None,  # x is the residual stream: qkv_proj norms it as it reads
+    ) -> torch.Tensor:  # [T, Hq * D], before o_proj
+        qkv = self.qkv_proj(x, norm=norm)
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         rope = ropes[self.rope_table]
         out = self.attn(qkv, positions, rope, kv_cache, meta, *norms)  # [T, Hq, D]
-        return self.o_proj(out.view(x.shape[0], -1), fold)
+        return out.view(x.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -161,9 +178,15 @@ class MLP(nn.Module):
         self.ops = backend
 
     def forward(self, x: torch.Tensor, fold: AllReduceFold | None = None) -> torch.Tensor:
+        return self.down_proj(self.gated(x), fold)  # [T, hidden] (fold: its output sent too)
+
+    def gated(self, x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:  # [T, I]
+        """``act(gate(x)) * up(x)``, before down_proj; ``norm``: x is the residual stream,
+        normed as the projection reads it."""
         g = self.gate_up_proj  # [2I, hidden], gate rows first; x [T, hidden]
-        h = self.ops.linear_act_and_mul(x, g.weight, g.bias, g.weight_scale, self.act)  # [T, I]
-        return self.down_proj(h, fold)  # [T, hidden] (fold: down_proj's output sent too)
+        kwargs = {"norm": norm} if norm is not None else {}
+        return self.ops.linear_act_and_mul(x, g.weight, g.bias, g.weight_scale, self.act,
+                                           **kwargs)  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
@@ -228,6 +251,28 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual, None, fold)
         return self._summed(self.mlp(x, fold), fold), residual
 
+    def forward_deferred(
+        self,
+        h: torch.Tensor,  # [T, hidden], the residual stream: the embeddings, or after a layer
+        sumsq: torch.Tensor | None,  # [T, P] its rows' partial sums of squares; None: embeddings
+        positions: torch.Tensor,
+        ropes: list[Rope],
+        kv_cache: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the stream after this layer, its sums
+        """``forward`` with each norm left to the projection that reads it (the backend's
+        ``fuses_norms``; one rank, no sandwich norms): o_proj and down_proj add their outputs
+        to the stream and leave its sums of squares, qkv_proj and gate/up norm as they read.
+        The same values ``forward`` gives: the layer's output already added to the stream."""
+        if sumsq is None:  # the embeddings: normed by the norm's own op
+            out = self.self_attn.attend(self.input_layernorm(h), positions, ropes, kv_cache, meta)
+        else:
+            out = self.self_attn.attend(h, positions, ropes, kv_cache, meta,
+                                        self.input_layernorm.deferred(sumsq))  # fmt: skip
+        h, sumsq = self.self_attn.o_proj.add_to(out, h)
+        out = self.mlp.gated(h, self.post_attention_layernorm.deferred(sumsq))
+        return self.mlp.down_proj.add_to(out, h)
+
     def _summed(self, x: torch.Tensor, fold: AllReduceFold | None) -> torch.Tensor:
         """A row-parallel layer's output summed over the ranks now, or (``fold``) left to
         the norm that reads it."""
@@ -288,11 +333,26 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         ropes = [(r.cos, r.sin) for r in self.model.rotary_embeddings()]
         x, residual, post = self.embed(input_ids), None, None  # [T, hidden]
+        if self._defers_norms(x):
+            sumsq = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x, sumsq = layer.forward_deferred(x, sumsq, positions, ropes, kv_cache, meta)
+            return self.model.norm(x)
         fold = self.tp.fold_for(x)  # decode-sized steps under --tp-all-reduce fused
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, ropes, kv_cache, meta, post, fold)
             post = layer.output_norm
         return self.model.norm(x, residual, post, fold)[0]
+
+    def _defers_norms(self, x: torch.Tensor) -> bool:
+        """Whether this step's layers leave their norms to the projections
+        (``DecoderLayer.forward_deferred``): where the backend fuses them for ``x``'s size, on
+        one rank (under tensor parallelism the norm sums the ranks' parts), for Llama's norm
+        (not Gemma's sandwich and ``1 + w``) in the activations' dtype."""
+        c = self.config
+        return (self.tp.size == 1 and not c.sandwich_norms and not c.norm_unit_offset
+                and self.model.norm.weight.dtype == x.dtype
+                and self.backend.fuses_norms(x))  # fmt: skip
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """The token embeddings, times ``embed_scale`` rounded to their dtype first (as

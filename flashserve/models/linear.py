@@ -76,12 +76,20 @@ class Linear(nn.Module):
             return (-(-self.out_features // FP8_BLOCK), -(-self.in_features // FP8_BLOCK))
         raise ValueError(f"fp8 must be None, {CHANNEL} or {BLOCK}, not {self.fp8!r}")
 
-    def forward(self, x: torch.Tensor, fold=None) -> torch.Tensor:  # [T, K] -> [T, N]
+    def forward(self, x: torch.Tensor, fold=None, norm=None) -> torch.Tensor:  # [T, K] -> [T, N]
         """``fold`` (a row-parallel layer's folded all-reduce, ``kernels.fold``): the backend
-        sends the output to the other rank too; passed only when set."""
-        if fold is not None:
-            return self.ops.linear(x, self.weight, self.bias, self.weight_scale, fold=fold)
-        return self.ops.linear(x, self.weight, self.bias, self.weight_scale)
+        sends the output to the other rank too; ``norm`` (``kernels.norm.RowNorm``): of x
+        RMSNormed by the backend as it reads it. Each passed only when set."""
+        kwargs = {"fold": fold} if fold is not None else {}
+        if norm is not None:
+            kwargs["norm"] = norm
+        return self.ops.linear(x, self.weight, self.bias, self.weight_scale, **kwargs)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``residual + self(x)`` and the partial sums of squares of its rows [T, P] (float32),
+        which the next norm reads (the backend's ``linear_add``)."""
+        return self.ops.linear_add(x, self.weight, self.bias, self.weight_scale, residual)
 
     def extra_repr(self) -> str:
         fp8 = f", fp8={self.fp8}" if self.fp8 else ""
