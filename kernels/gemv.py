@@ -129,26 +129,21 @@ def _rows(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _normed_x(x, nw, x_rstd):
-    """RMSNorm of loaded x values with ``kernels.reference.rms_norm``'s rounding (as
-    ``kernels.norm``'s): ``nw * (x * x_rstd)``, rounded to x's dtype before the weight and
-    after it. ``nw``: the norm's weight at x's columns; ``x_rstd``: float32 ``1 / sqrt(mean(
-    row**2) + eps)`` of each value's row, broadcast to x's shape."""
-    normed = (x.to(tl.float32) * x_rstd).to(x.dtype)
-    return (nw.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+def _norm_sums(NormSq, M, n_parts, BLOCK_M: tl.constexpr, NORM_PARTS: tl.constexpr):
+    """The partial sums of squares of x's rows ``min(m, M - 1)``, m < BLOCK_M (``NormSq`` [M,
+    n_parts], a producing GEMV's tiles: ``_store_out``'s ADD_RES), [BLOCK_M, NORM_PARTS]
+    float32, zeros past n_parts: loaded before the K loop, summed after it (``_rms_scale``)."""
+    rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
+    offs = tl.arange(0, NORM_PARTS)
+    return tl.load(NormSq + rows[:, None] * n_parts + offs[None, :],
+                   mask=(offs < n_parts)[None, :], other=0.0)  # fmt: skip
 
 
 @triton.jit
-def _rows_rstd(SumSq, rows, n_parts, K, eps, PARTS: tl.constexpr):
-    """float32 ``1 / sqrt(mean(x[r]**2) + eps)`` for x's rows ``rows`` [R] (x [M, K]) from the
-    ``n_parts`` partial sums of squares of each row (``SumSq`` [M, n_parts], a producing GEMV's
-    tiles: ``_store_out``'s ADD_RES), PARTS at a time, summed in one order in every program."""
-    total = tl.zeros([rows.shape[0]], tl.float32)
-    for p0 in range(0, n_parts, PARTS):
-        offs = p0 + tl.arange(0, PARTS)
-        total += tl.sum(tl.load(SumSq + rows[:, None] * n_parts + offs[None, :],
-                                mask=(offs < n_parts)[None, :], other=0.0), 1)  # fmt: skip
-    return tl.math.rsqrt(total / K + eps)  # [R]
+def _rms_scale(sums, K, eps):
+    """``1 / sqrt(mean(x[m]**2) + eps)`` [BLOCK_M] from ``_norm_sums``'s parts, summed in one
+    order in every program."""
+    return tl.math.rsqrt(tl.sum(sums, 1) / K + eps)
 
 
 # DIAG: the dot 8 columns wide (mma.sync's narrowest N): x's M rows (a power of two <= 8) of 8 / M
@@ -163,7 +158,7 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, W_SCALE: tl.constexpr,
                F16_DOT: tl.constexpr, SCALE_X: tl.constexpr, TRACK_X: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, DIAG: tl.constexpr, nw_ptrs=None, x_rstd=None,
+               DOT_PRECISION: tl.constexpr, DIAG: tl.constexpr, nw_ptrs=None,
                NORM_X: tl.constexpr = False):  # fmt: skip
     """The reduction over K steps ``[k_lo, k_hi)`` with ``tl.dot``: ``acc[n, m] = sum_k w[n, k]
     * x[m, k]`` [BLOCK_N, BLOCK_M] fp32, x's rows repeated to BLOCK_M (``_rows``). A step loads
@@ -175,9 +170,8 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
     ``x_scale`` [XM] first, TRACK_X (bf16 x): also return ``max_k |x[m, k]|`` per loaded row
     (else zeros), kept as bf16 bits (their order is the values'; 2-byte registers where float32
     took 4). ``offs_x``: x's columns within a part, the shape of ``x_ptrs`` (its K mask).
-    NORM_X: x's rows are RMSNormed as they are loaded (``_normed_x``; ``nw_ptrs``: the norm's
-    weight, x_ptrs' shape; ``x_rstd``: each row's 1 / rms, broadcast over x's rows), before
-    anything else touches them.
+    NORM_X: x times the norm's weight (``nw_ptrs``, x_ptrs' shape) as it is loaded, rounded to
+    x's dtype, before anything else touches it (the rows' 1 / rms is the caller's, after).
 
     DIAG (x's rows a power of two BLOCK_M <= 8, no repeats): each row's part is read as G =
     8 / BLOCK_M chunks, ``x_ptrs`` [PK / G, 8] (column ``m G + g``: chunk g of row m), and the
@@ -211,7 +205,7 @@ def _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, x_scale, k_lo, k_
                     nw = tl.load(nw_ptrs + part, mask=(k0 + part + offs_x) < k_hi, other=0.0,
                                  eviction_policy="evict_last")  # fmt: skip
             if NORM_X:
-                x = _normed_x(x, nw, x_rstd)
+                x = x * nw
             if TRACK_X:
                 amax = tl.maximum(amax, x.to(tl.int16, bitcast=True) & 0x7FFF)
             if SCALE_X and DIAG:
@@ -301,7 +295,7 @@ def _linear_kernel(
     NormW=None,  # [K] the norm's weight (NORM_X)
     norm_parts=0,  # P
     norm_eps=0.0,
-    NORM_PARTS: tl.constexpr = 1,  # partial sums loaded at a time (a power of two)
+    NORM_PARTS: tl.constexpr = 1,  # P rounded up to a power of two
     NORM_X: tl.constexpr = False,  # x's rows RMSNormed as they are loaded
 ):
     pdl_enter(CHAIN)
@@ -349,15 +343,9 @@ def _linear_kernel(
         x_rows = tl.zeros([1], tl.int32)
         offs_x = offs_k[None, :]
     nw_ptrs = None
-    x_rstd = None
-    if NORM_X:  # the norm's weight beside x; each loaded row's 1 / rms where x's rows lie
+    if NORM_X:  # the norm's weight beside x; the rows' sums of squares in flight over the loop
         nw_ptrs = NormW + (k_lo + offs_x)
-        if USE_DOT and DIAG:  # each row's once, then over its G chunks' columns
-            rstd = _rows_rstd(NormSq, tl.minimum(tl.arange(0, BLOCK_M), M - 1), norm_parts, K,
-                              norm_eps, NORM_PARTS)  # fmt: skip
-            x_rstd = tl.reshape(tl.broadcast_to(rstd[:, None], [BLOCK_M, G]), [_DIAG_COLS])[None, :]
-        else:
-            x_rstd = _rows_rstd(NormSq, x_rows, norm_parts, K, norm_eps, NORM_PARTS)[:, None]
+        norm_sums = _norm_sums(NormSq, M, norm_parts, BLOCK_M, NORM_PARTS)  # [BM, NP]
     if USE_DOT:
         # BLOCK_N divides 128 (block scales): the tile's rows share one row of scale blocks;
         # gated, its gate rows one and its up rows another (I a multiple of BLOCK_N / 2; one
@@ -377,7 +365,7 @@ def _linear_kernel(
         acc, amax = _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, None, k_lo, k_hi,
                                offs_k, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, W_SCALE,
                                F16_DOT, False, range_check, DOT_PRECISION, DIAG, nw_ptrs,
-                               x_rstd, NORM_X)  # fmt: skip
+                               NORM_X)  # fmt: skip
         if range_check:
             redo = (amax > _F16_MAX) | ((amax < _X_SMALL) & (amax > 0))  # [XM]
             if tl.max(redo.to(tl.int32), 0) > 0:  # rare: the steps again, those rows scaled
@@ -387,7 +375,7 @@ def _linear_kernel(
                 acc, _ = _dot_steps(w_ptrs, x_ptrs, offs_x, s_ptr, s_up_ptr, is_up, tl.exp2(-e),
                                     k_lo, k_hi, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
                                     EVEN_K, W_SCALE, F16_DOT, True, False, DOT_PRECISION,
-                                    DIAG, nw_ptrs, x_rstd, NORM_X)  # fmt: skip
+                                    DIAG, nw_ptrs, NORM_X)  # fmt: skip
                 acc *= tl.trans(_rows(tl.exp2(e)[:, None], BLOCK_M))  # [1, BM]
         acc = tl.trans(acc)  # [BM, BN]
     else:  # M = 1, unquantized: x [1, BK] broadcast over the rows, summed once at the end
@@ -407,13 +395,15 @@ def _linear_kernel(
                     nw = tl.load(nw_ptrs, mask=k_mask[None, :], other=0.0,
                                  eviction_policy="evict_last")  # fmt: skip
             if NORM_X:
-                x = _normed_x(x, nw, x_rstd)
+                x = x * nw
             acc2 += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             if NORM_X:
                 nw_ptrs += BLOCK_K
         acc = tl.sum(acc2, 1)[None, :]  # [1, BN]
+    if NORM_X:  # out[m] of x[m] * nw is 1 / rms(x[m]) times out[m] of rms_norm(x)[m]
+        acc *= _rms_scale(norm_sums, K, norm_eps)[:, None]
 
     if SPLIT:  # partials by weight row: [S, M, N]
         out_mask = (offs_m < M)[:, None] & n_mask[None, :]
@@ -763,11 +753,6 @@ def linear_small_m(
     return out if residual is None else (out, sumsq)
 
 
-# _linear_kernel's NORM_PARTS: partial sums of squares loaded at a time (registers: 16 rows of
-# 256 over 4 warps are 32 a thread)
-_NORM_PARTS = 256
-
-
 def _residual_args(residual: torch.Tensor | None, sumsq: torch.Tensor | None) -> dict:
     """_linear_kernel's ADD_RES arguments."""
     if residual is None:
@@ -780,9 +765,8 @@ def _norm_args(norm: RowNorm | None) -> dict:
     if norm is None:
         return dict(NORM_X=False)
     parts = norm.sumsq.shape[1]
-    chunk = min(triton.next_power_of_2(parts), _NORM_PARTS)
     return dict(NormSq=norm.sumsq, NormW=norm.weight, norm_parts=parts, norm_eps=norm.eps,
-                NORM_PARTS=chunk, NORM_X=True)  # fmt: skip
+                NORM_PARTS=triton.next_power_of_2(parts), NORM_X=True)  # fmt: skip
 
 
 def _fold_args(fold: AllReduceFold | None) -> dict:

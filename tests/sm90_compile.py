@@ -191,17 +191,32 @@ def gemv_kernel(
     fold: bool = False,
     split: bool = False,
     diag: bool = False,
+    norm: bool = False,
+    residual: bool = False,
 ):
     """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit (``split``: K split),
     K a multiple of BLOCK_K; ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1
     or 2), ``tile``: (BLOCK_N, BLOCK_K, num_warps, num_stages); ``gated``: the gated MLP's
     epilogue (1 SiLU, 2 GELU-tanh, libdevice's tanh); ``fold``: the output sent to the peer
-    rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``)."""
+    rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``);
+    ``norm``: x RMSNormed as it loads (``norm=``); ``residual``: out added to the stream, its
+    sums of squares stored (``residual=``)."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
     if fold:
         ptrs.update(Send="*i64", Calls="*i64")
     unfolded = {} if fold else dict(Send=None, Calls=None, stride_send=0)
+    if norm:
+        ptrs.update(NormSq="*fp32", NormW=f"*{x}")
+        unfolded.update(NORM_PARTS=256, NORM_X=True, norm_eps=0.0)
+    else:
+        unfolded.update(NormSq=None, NormW=None, norm_parts=0, norm_eps=0.0, NORM_PARTS=1,
+                        NORM_X=False)  # fmt: skip
+    if residual:
+        ptrs.update(Res=f"*{x}", SumSq="*fp32")
+        unfolded.update(ADD_RES=True)
+    else:
+        unfolded.update(Res=None, SumSq=None, stride_rm=0, ADD_RES=False)
     fp8 = w_scale > 0
     dot = m > 1 or fp8 or diag
     consts = dict(HAS_BIAS=False, SPLIT=split, USE_DOT=dot, EVEN_K=True,
