@@ -129,21 +129,21 @@ def _rows(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _norm_sums(NormSq, M, n_parts, BLOCK_M: tl.constexpr, NORM_PARTS: tl.constexpr):
-    """The partial sums of squares of x's rows ``min(m, M - 1)``, m < BLOCK_M (``NormSq`` [M,
-    n_parts], a producing GEMV's tiles: ``_store_out``'s ADD_RES), [BLOCK_M, NORM_PARTS]
-    float32, zeros past n_parts: loaded before the K loop, summed after it (``_rms_scale``)."""
-    rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
+def _norm_sums(NormSq, M, n_parts, ROWS: tl.constexpr, NORM_PARTS: tl.constexpr):
+    """The partial sums of squares of x's rows ``min(m, M - 1)``, m < ROWS (``NormSq`` [M,
+    n_parts], a producing GEMV's tiles: ``_store_out``'s ADD_RES), [ROWS, NORM_PARTS] float32,
+    zeros past n_parts: loaded before the K loop, summed after it (``_rms_scale``)."""
+    rows = tl.minimum(tl.arange(0, ROWS), M - 1)
     offs = tl.arange(0, NORM_PARTS)
     return tl.load(NormSq + rows[:, None] * n_parts + offs[None, :],
                    mask=(offs < n_parts)[None, :], other=0.0)  # fmt: skip
 
 
 @triton.jit
-def _rms_scale(sums, K, eps):
-    """``1 / sqrt(mean(x[m]**2) + eps)`` [BLOCK_M] from ``_norm_sums``'s parts, summed in one
-    order in every program."""
-    return tl.math.rsqrt(tl.sum(sums, 1) / K + eps)
+def _rms_scale(sums, K, eps, BLOCK_M: tl.constexpr):
+    """``1 / sqrt(mean(x[m]**2) + eps)`` [BLOCK_M, 1] from ``_norm_sums``'s parts (x's rows,
+    repeated to BLOCK_M as the dot repeats them), summed in one order in every program."""
+    return _rows(tl.math.rsqrt(tl.sum(sums, 1) / K + eps)[:, None], BLOCK_M)
 
 
 # DIAG: the dot 8 columns wide (mma.sync's narrowest N): x's M rows (a power of two <= 8) of 8 / M
@@ -345,7 +345,9 @@ def _linear_kernel(
     nw_ptrs = None
     if NORM_X:  # the norm's weight beside x; the rows' sums of squares in flight over the loop
         nw_ptrs = NormW + (k_lo + offs_x)
-        norm_sums = _norm_sums(NormSq, M, norm_parts, BLOCK_M, NORM_PARTS)  # [BM, NP]
+        # x's rows once each (the dot's 16 columns repeat X_ROWS of them; diag: BLOCK_M)
+        NORM_ROWS: tl.constexpr = X_ROWS if USE_DOT and not DIAG else BLOCK_M
+        norm_sums = _norm_sums(NormSq, M, norm_parts, NORM_ROWS, NORM_PARTS)  # [NR, NP]
     if USE_DOT:
         # BLOCK_N divides 128 (block scales): the tile's rows share one row of scale blocks;
         # gated, its gate rows one and its up rows another (I a multiple of BLOCK_N / 2; one
@@ -403,7 +405,7 @@ def _linear_kernel(
                 nw_ptrs += BLOCK_K
         acc = tl.sum(acc2, 1)[None, :]  # [1, BN]
     if NORM_X:  # out[m] of x[m] * nw is 1 / rms(x[m]) times out[m] of rms_norm(x)[m]
-        acc *= _rms_scale(norm_sums, K, norm_eps)[:, None]
+        acc *= _rms_scale(norm_sums, K, norm_eps, BLOCK_M)
 
     if SPLIT:  # partials by weight row: [S, M, N]
         out_mask = (offs_m < M)[:, None] & n_mask[None, :]

@@ -1,0 +1,92 @@
+"""Decode GEMVs with the norm between them folded in, alone: each Llama-3-8B projection at
+M = 1 with and without its part (o_proj and down: ``residual=``, the add and the tile sums;
+qkv and gate/up: ``norm=``, x times the norm's weight and 1/rms on the sums), bf16 and fp8
+per-channel weights, under CUDA-graph replay, weights rotated over copies larger than L2.
+
+    python3 docs/benchmarks/gemv_norm_bench.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from kernels.gemv import linear_small_m
+from kernels.quant import quantize_per_channel
+from kernels.reference import RowNorm
+
+SHAPES = {  # name: (N, K, act, role)
+    "qkv": (6144, 4096, None, "norm"),
+    "o_proj": (4096, 4096, None, "residual"),
+    "gate_up": (28672, 4096, "silu", "norm"),
+    "down": (4096, 14336, None, "residual"),
+}
+CALLS = 24  # per graph
+
+
+def time_us(fn, copies: int, rounds: int = 7) -> float:
+    """Median µs a call: CALLS calls over the weight copies in one graph, replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return statistics.median(times)
+
+
+def _calls(x, ws, act, extra):
+    """A call of the GEMV on weight copy i."""
+    return lambda i: linear_small_m(x, ws[i][0], weight_scale=ws[i][1], act=act, **extra)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    rows = []
+    for layout in ("bf16", "fp8"):
+        for name, (n, k, act, role) in SHAPES.items():
+            nbytes = n * k * (1 if layout == "fp8" else 2)
+            copies = max(2, -(-120_000_000 // nbytes))  # > 2x the 50 MB L2
+            ws = []
+            for _ in range(copies):
+                w = torch.randn(n, k, device=dev) * 0.02
+                ws.append(quantize_per_channel(w) if layout == "fp8" else (w.to(dt), None))
+            x = torch.randn(1, k, device=dev, dtype=dt)
+            res = torch.randn(1, n if act is None else n // 2, device=dev, dtype=dt)
+            sums = torch.rand(1, 256, device=dev)
+            norm = RowNorm(sums, torch.ones(k, device=dev, dtype=dt), 1e-5)
+
+            plain = _calls(x, ws, act, {})
+            fused = _calls(x, ws, act, {"norm": norm} if role == "norm" else {"residual": res})
+            a, b, a2, b2 = (time_us(f, copies) for f in (plain, fused, plain, fused))
+            row = dict(layout=layout, shape=name, role=role, plain_us=min(a, a2),
+                       fused_us=min(b, b2), gb_s=nbytes / min(a, a2) / 1e3)  # fmt: skip
+            rows.append(row)
+            print(f"{layout:5} {name:8} {role:8} plain {row['plain_us']:7.2f} us  "
+                  f"fused {row['fused_us']:7.2f} us  ({row['gb_s']:.0f} GB/s plain)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
