@@ -836,10 +836,17 @@ def linear(
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def fuses_norms(x: torch.Tensor) -> bool:
-    """Whether ``linear_add`` and ``linear(norm=)`` fold the norm between them into their GEMVs
-    for activations like ``x`` [T, K] (CUDA, decode batch sizes)."""
-    return x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+def fuses_norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the norm between two projections of ``weight``'s dtype should be folded into
+    their GEMVs (``linear_add``, then ``linear(norm=)``) for activations like ``x`` [T, K]:
+    CUDA, decode batch sizes, 16-bit weights. H100, 2026-11-28 (docs/benchmarks/fp8.md,
+    session 25), M = 1, Llama-3.1-8B shapes, µs without / with the fold's part: bf16 o_proj
+    12.80 / 13.06, down 39.72 / 40.07, qkv 18.29 / 18.68, gate_up 76.09 / 76.32 (bench decode:
+    1.0-1.4% faster a step at 4K-128K); fp8 per channel qkv 10.88 / 11.03, gate_up 42.36 /
+    42.89, but o_proj 8.28 / 11.69 and down 22.25 / 32.27 (the same K loop's SASS; 8-10% slower
+    a step): float8 weights keep the norm's kernel."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+            and weight.dtype in (torch.bfloat16, torch.float16))  # fmt: skip
 
 
 def linear_add(

@@ -24,7 +24,7 @@ from tensor_checks import assert_close, capture_graph  # noqa: E402
 
 from kernels import quant  # noqa: E402
 from kernels import reference as torch_ops  # noqa: E402
-from kernels.gemv import linear, linear_add, linear_small_m  # noqa: E402
+from kernels.gemv import fuses_norms, linear, linear_add, linear_small_m  # noqa: E402
 from kernels.norm import add_rms_norm  # noqa: E402
 from kernels.reference import RowNorm  # noqa: E402
 
@@ -254,3 +254,15 @@ def test_cuda_graph_replay(m):
         normed, residual = add_rms_norm(linear_small_m(a, w1, weight_scale=s1), r, nw, eps)
         assert torch.equal(h, residual)
         assert_close(out, normed.double() @ w2.double().T, TOL[dtype], f"replay M={m}")
+
+
+@pytest.mark.gpu
+def test_the_fold_takes_16_bit_weights_at_decode_sizes():
+    """``fuses_norms``: bf16/fp16 weights at 1..16 rows on CUDA; float8 weights (their
+    producing GEMV measured slower with the add) and prefill sizes keep the norm's kernel."""
+    w = torch.empty(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.empty(16, 64, device=DEVICE, dtype=torch.bfloat16)
+    assert fuses_norms(x, w) and fuses_norms(x[:1], w.half())
+    assert not fuses_norms(x, w.to(torch.float8_e4m3fn))
+    assert not fuses_norms(torch.empty(17, 64, device=DEVICE, dtype=torch.bfloat16), w)
+    assert not fuses_norms(x.cpu(), w)

@@ -104,11 +104,11 @@ class AttentionBackend(ABC):
     def _ops(self) -> dict[str, Op]:
         """Each of ``BACKEND_OPS``, by name (imported here: the kernels load on first use)."""
 
-    def fuses_norms(self, x: torch.Tensor) -> bool:
+    def fuses_norms(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether a step of activations ``x`` [T, hidden] should leave each norm between two
-        projections to them: the first adds to the residual stream (``linear_add``), the second
-        norms as it reads (``norm=``), and the norm's own op is not called. False unless the
-        backend says (both ways compute the same values)."""
+        projections (of weights like ``weight``) to them: the first adds to the residual
+        stream (``linear_add``), the second norms as it reads (``norm=``), and the norm's own
+        op is not called. False unless the backend says (both ways compute the same values)."""
         return False
 
     # ---- metadata ------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class TorchBackend(AttentionBackend):
         self.fuse_norms = fuse_norms  # the fused ops' plain versions (tests of the model's path)
         super().__init__()
 
-    def fuses_norms(self, x: torch.Tensor) -> bool:
+    def fuses_norms(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return self.fuse_norms
 
     def _ops(self) -> dict[str, Op]:
@@ -201,12 +201,12 @@ class TritonBackend(AttentionBackend):
         self.fuse_norms = fuse_norms
         super().__init__()
 
-    def fuses_norms(self, x: torch.Tensor) -> bool:
-        """At decode batch sizes on CUDA, where the GEMVs stream their weights (the norm's
-        launch goes: fp8 weights + cache at 4K on an H100, docs/benchmarks/fp8.md)."""
+    def fuses_norms(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Where the GEMVs stream 16-bit weights at decode batch sizes on CUDA (measured:
+        ``kernels.gemv.fuses_norms``)."""
         from kernels.gemv import fuses_norms
 
-        return self.fuse_norms and fuses_norms(x)
+        return self.fuse_norms and fuses_norms(x, weight)
 
     def _ops(self) -> dict[str, Op]:
         from kernels.activation import gelu_tanh_and_mul, silu_and_mul

@@ -350,9 +350,10 @@ class DecoderForCausalLM(nn.Module):
         one rank (under tensor parallelism the norm sums the ranks' parts), for Llama's norm
         (not Gemma's sandwich and ``1 + w``) in the activations' dtype."""
         c = self.config
+        weight = self.model.layers[0].self_attn.o_proj.weight  # the projections' dtype
         return (self.tp.size == 1 and not c.sandwich_norms and not c.norm_unit_offset
                 and self.model.norm.weight.dtype == x.dtype
-                and self.backend.fuses_norms(x))  # fmt: skip
+                and self.backend.fuses_norms(x, weight))  # fmt: skip
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """The token embeddings, times ``embed_scale`` rounded to their dtype first (as
