@@ -55,6 +55,13 @@ in an 8-byte word with the call's tag (``kernels.fold``), where the norm after i
 them: the all-reduce without a collective, a fence or a flag. The K loop is untouched (sm_90
 compile reports: the same SASS per weight byte within 1%, tests/test_tp_fold_compile.py).
 
+The RMSNorm between two projections (``residual=``, ``norm=``; ``linear_add``, ``linear(norm=)``):
+the first projection's epilogue adds its output to the residual stream and stores each tile's
+sum of the sum's squares by row (``[M, tiles]``); the second multiplies x by the norm's weight
+as it loads it and its sums by each row's 1 / rms, from those partial sums (loaded before its
+K loop, summed after it in one order in every program). So the norm's kernel and its round
+trip go. ``fuses_norms`` says where it pays (16-bit weights; measured there).
+
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
 counters live in a per-device buffer that every launch leaves zeroed (the summing program resets
 its own), so replays need no memset. Calls on one device must not overlap in time (one stream).
@@ -684,9 +691,12 @@ def linear_small_m(
     sum), returned with ``sumsq`` [M, P] float32, each of the P output tiles' sum of ``out**2``
     by row: what the norm after the add needs, so that the GEMV reading the normed rows can
     apply it (``norm``) and the norm's own kernel goes. ``norm`` (``RowNorm``): x is the
-    residual stream and the product is the one of ``rms_norm(x, norm.weight, norm.eps)``,
-    rounded as ``kernels.norm`` rounds it, computed as x is loaded from the row sums of
-    squares ``norm.sumsq`` (the order of the float32 sum differs from the norm kernel's).
+    residual stream and the product is the one of ``rms_norm(x, norm.weight, norm.eps)``: x
+    times the norm's weight as it is loaded (rounded to x's dtype), the sums times each row's
+    ``1 / sqrt(mean(x**2) + eps)`` from ``norm.sumsq`` after the K loop. The values
+    ``kernels.norm``'s kernel then this GEMV give, rounded elsewhere: that kernel rounds
+    ``x / rms`` and its product with the weight, here ``x * weight`` is rounded and the 1 / rms
+    multiplies the float32 sums.
     """
     w_scale = w_scale_kind(weight, weight_scale) if weight.dim() == 2 else W_SCALE_NONE
     _check(x, weight, bias, w_scale)

@@ -545,6 +545,26 @@ FOLD_VARIANTS = {
 }  # fmt: skip
 
 
+# the norm between two projections folded into their GEMVs over 16-bit weights
+# (``linear_small_m(residual=)`` / ``(norm=)``), each at its twin's tile (the name without
+# ``rownorm-`` and the part): the streaming loop must stay the twin's (the norm's: x times the
+# norm's weight, nothing more)
+ROWNORM_VARIANTS = {
+    "rownorm-residual-gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3),
+                                                          residual=True),
+    "rownorm-residual-gemv-bf16-m1-short": lambda: gemv_summary("bf16", tile=(8, 512, 4, 3),
+                                                                residual=True),
+    "rownorm-residual-gemv-bf16-m8-diag": lambda: gemv_summary("bf16", m=8, tile=_FP8_NARROW,
+                                                               diag=True, residual=True),
+    "rownorm-norm-gemv-bf16-m1": lambda: gemv_summary("bf16", tile=(4, 2048, 4, 3), norm=True),
+    "rownorm-norm-gemv-gated-bf16-m1": lambda: _G("bf16", tile=(4, 2048, 4, 3), norm=True),
+    "rownorm-norm-gemv-bf16-m8-diag": lambda: gemv_summary("bf16", m=8, tile=_FP8_NARROW,
+                                                           diag=True, norm=True),
+    "rownorm-norm-gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3),
+                                                      norm=True),
+}  # fmt: skip
+
+
 def norm_summary(**options) -> dict:
     """``norm_kernel(**options)``'s resources, its PTX's atomics by kind (``atom.*``) and its
     loads that skip L1 (``ld.global.cg``)."""
@@ -593,7 +613,8 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--fp8-configs"]:
         everything, prefixes = fp8_configs(), [""]
     else:
-        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS}
+        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS,
+                      **ROWNORM_VARIANTS}
         prefixes = sys.argv[1:] or [""]
     for name in [v for v in everything if v.startswith(tuple(prefixes))]:
         kernel_or_row = everything[name]()
