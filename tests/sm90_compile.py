@@ -613,8 +613,13 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--fp8-configs"]:
         everything, prefixes = fp8_configs(), [""]
     else:
-        everything = {**VARIANTS, **GLUON_VARIANTS, **GEMV_VARIANTS, **FOLD_VARIANTS,
-                      **ROWNORM_VARIANTS}
+        everything = {
+            **VARIANTS,
+            **GLUON_VARIANTS,
+            **GEMV_VARIANTS,
+            **FOLD_VARIANTS,
+            **ROWNORM_VARIANTS,
+        }
         prefixes = sys.argv[1:] or [""]
     for name in [v for v in everything if v.startswith(tuple(prefixes))]:
         kernel_or_row = everything[name]()
