@@ -5,6 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from kernels import quant
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+# the linear-layer kernels' tests (GEMV, fp8): their dtypes (the interpreter miscomputes tl.dot
+# on bf16 operands: bf16 on the GPU only) and tolerances (the output's rounding dominates:
+# fp16 ~3e-4, bf16 ~2.5e-3 relative); the weight quantizers by scale layout
+GEMV_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if GPU else [])
+GEMV_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+QUANTIZE = {"channel": quant.quantize_per_channel, "block": quant.quantize_blocks}
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``‖out - ref‖ / ‖ref‖`` in float64 (a zero reference counts as a tiny one)."""

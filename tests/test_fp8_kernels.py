@@ -24,17 +24,20 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close, capture_graph  # noqa: E402
+from tensor_checks import (  # noqa: E402
+    DEVICE,
+    GEMV_DTYPES,
+    GEMV_TOL,
+    QUANTIZE,
+    assert_close,
+    capture_graph,
+)
 
 from kernels import fp8, quant  # noqa: E402
 from kernels.gemv import gemv_config, linear, linear_small_m  # noqa: E402
 from kernels.quant import E4M3, E4M3_MAX, MIN_SCALE  # noqa: E402
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if GPU else [])
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-QUANTIZE = {"channel": quant.quantize_per_channel, "block": quant.quantize_blocks}
+DTYPES, TOL = GEMV_DTYPES, GEMV_TOL
 
 
 def _weight(n: int, k: int, scales: str, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,17 +22,20 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
 import torch.nn.functional as F  # noqa: E402
-from tensor_checks import assert_close, capture_graph  # noqa: E402
+from tensor_checks import (  # noqa: E402
+    DEVICE,
+    GEMV_DTYPES,
+    GEMV_TOL,
+    QUANTIZE,
+    assert_close,
+    capture_graph,
+)
 
 from kernels import gemv, quant  # noqa: E402
 from kernels import reference as torch_ops  # noqa: E402
 from kernels.gemv import MAX_M, gemv_config, linear_act_and_mul, linear_small_m  # noqa: E402
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if GPU else [])
-# output rounding dominates: fp16 ~3e-4, bf16 ~2.5e-3 relative
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES, TOL = GEMV_DTYPES, GEMV_TOL
 
 
 def reference(x, w, bias=None) -> torch.Tensor:
@@ -236,7 +239,6 @@ def test_cuda_graph_replay(config, m):
 # ---------------------------------------------------------------- gated: act(gate) * up
 
 ACTS = ["silu", "gelu_tanh"]
-QUANTIZE = {"channel": quant.quantize_per_channel, "block": quant.quantize_blocks}
 
 
 def gated_reference(x, w, act, bias=None) -> torch.Tensor:

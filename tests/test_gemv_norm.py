@@ -20,7 +20,15 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
-from tensor_checks import assert_close, capture_graph  # noqa: E402
+from tensor_checks import (  # noqa: E402
+    DEVICE,
+    GEMV_DTYPES,
+    GEMV_TOL,
+    GPU,
+    QUANTIZE,
+    assert_close,
+    capture_graph,
+)
 
 from kernels import quant  # noqa: E402
 from kernels import reference as torch_ops  # noqa: E402
@@ -28,11 +36,6 @@ from kernels.gemv import fuses_norms, linear, linear_add, linear_small_m  # noqa
 from kernels.norm import add_rms_norm  # noqa: E402
 from kernels.reference import RowNorm  # noqa: E402
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if GPU else [])
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-QUANTIZE = {"channel": quant.quantize_per_channel, "block": quant.quantize_blocks}
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) and diag: the elementwise M = 1 loop
 # (None at M = 1), tl.dot, diag on one and four warps, split over K with a K tail
 CONFIGS = [
@@ -42,6 +45,8 @@ CONFIGS = [
     ((32, 64, 3, 4, 2), False),
     ((32, 128, 2, 1, 3), True),
 ]
+
+DTYPES, TOL = GEMV_DTYPES, GEMV_TOL
 
 
 def weights(n, k, dtype, scales=None):

@@ -9,11 +9,12 @@ per-channel weights, under CUDA-graph replay, weights rotated over copies larger
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 
 import torch
 
+from kernels.bench import graph_time
 from kernels.gemv import linear_small_m
 from kernels.quant import quantize_per_channel
 from kernels.reference import RowNorm
@@ -24,31 +25,13 @@ SHAPES = {  # name: (N, K, act, role)
     "gate_up": (28672, 4096, "silu", "norm"),
     "down": (4096, 14336, None, "residual"),
 }
-CALLS = 24  # per graph
+CALLS = 24  # per graph, at least
 
 
-def time_us(fn, copies: int, rounds: int = 7) -> float:
-    """Median µs a call: CALLS calls over the weight copies in one graph, replayed."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+def time_us(fn, copies: int) -> float:
+    """Median µs a call of ``fn(i)`` over the weight copies i, in one CUDA graph
+    (``kernels.bench.graph_time``)."""
+    return graph_time([functools.partial(fn, i) for i in range(copies)], min_calls=CALLS)
 
 
 def _calls(x, ws, act, extra):
