@@ -78,7 +78,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, fold=None, norm=None) -> torch.Tensor:  # [T, K] -> [T, N]
         """``fold`` (a row-parallel layer's folded all-reduce, ``kernels.fold``): the backend
-        sends the output to the other rank too; ``norm`` (``kernels.norm.RowNorm``): of x
+        sends the output to the other rank too; ``norm`` (``kernels.reference.RowNorm``): of x
         RMSNormed by the backend as it reads it. Each passed only when set."""
         kwargs = {"fold": fold} if fold is not None else {}
         if norm is not None:
