@@ -4,6 +4,8 @@ qkv and gate/up: ``norm=``, x times the norm's weight and 1/rms on the sums), bf
 per-channel weights, under CUDA-graph replay, weights rotated over copies larger than L2.
 
     python3 docs/benchmarks/gemv_norm_bench.py [--json FILE]
+    python3 docs/benchmarks/gemv_norm_bench.py --once fp8:o_proj   # for a profiler: three
+        eager calls without the fold's part, then three with it (no graph, no timing)
 """
 
 from __future__ import annotations
@@ -42,11 +44,20 @@ def _calls(x, ws, act, extra):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument(
+        "--once",
+        metavar="LAYOUT:SHAPE",
+        help="(bf16|fp8):(qkv|o_proj|"
+        "gate_up|down): three eager calls plain, three with the part; no timing",
+    )
     args = parser.parse_args()
     dev, dt = "cuda", torch.bfloat16
     rows = []
+    only = tuple(args.once.split(":")) if args.once else None
     for layout in ("bf16", "fp8"):
         for name, (n, k, act, role) in SHAPES.items():
+            if only and only != (layout, name):
+                continue
             nbytes = n * k * (1 if layout == "fp8" else 2)
             copies = max(2, -(-120_000_000 // nbytes))  # > 2x the 50 MB L2
             ws = []
@@ -60,6 +71,11 @@ def main() -> None:
 
             plain = _calls(x, ws, act, {})
             fused = _calls(x, ws, act, {"norm": norm} if role == "norm" else {"residual": res})
+            if only:  # the profiler's launches: _linear_kernel 1-3 plain, 4-6 with the part
+                for f in (plain, plain, plain, fused, fused, fused):
+                    f(0)
+                torch.cuda.synchronize()
+                return
             a, b, a2, b2 = (time_us(f, copies) for f in (plain, fused, plain, fused))
             row = dict(layout=layout, shape=name, role=role, plain_us=min(a, a2),
                        fused_us=min(b, b2), gb_s=nbytes / min(a, a2) / 1e3)  # fmt: skip
