@@ -37,8 +37,6 @@ from kernels import fp8, quant  # noqa: E402
 from kernels.gemv import gemv_config, linear, linear_small_m  # noqa: E402
 from kernels.quant import E4M3, E4M3_MAX, MIN_SCALE  # noqa: E402
 
-DTYPES, TOL = GEMV_DTYPES, GEMV_TOL
-
 
 def _weight(n: int, k: int, scales: str, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
     """A random weight's e4m3 codes and scales; rows of very different magnitudes, so that a
@@ -122,7 +120,7 @@ def test_activation_quantization_reference(group):
 # ---------------------------------------------------------------- GEMV (M <= 16)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("n,k", [(17, 300), (257, 384), (131, 1000)])
 @pytest.mark.parametrize("scales", ["channel", "block"])
@@ -134,7 +132,7 @@ def test_fp8_gemv_matches_dequantized_reference(dtype, m, n, k, scales, bias):
     out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)
     got = linear_small_m(x, q, b, out=out, weight_scale=scale)
     assert got.data_ptr() == out.data_ptr()
-    assert_close(out, _ref(x, q, scale, b), TOL[dtype], f"{scales} M={m} N={n} K={k}")
+    assert_close(out, _ref(x, q, scale, b), GEMV_TOL[dtype], f"{scales} M={m} N={n} K={k}")
 
 
 @pytest.mark.parametrize("scales", ["channel", "block"])
@@ -147,7 +145,7 @@ def test_fp8_gemv_every_m(scales):
         x = torch.randn(m, k, device=DEVICE).half()
         out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float16)
         linear_small_m(x, q, out=out, weight_scale=scale)
-        assert_close(out, _ref(x, q, scale), TOL[torch.float16], f"{scales} M={m}")
+        assert_close(out, _ref(x, q, scale), GEMV_TOL[torch.float16], f"{scales} M={m}")
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): K tiles under one 128-block (one scale
@@ -165,7 +163,7 @@ def test_fp8_gemv_configs_and_split_k(config, m, scales):
     x = torch.randn(m, k, device=DEVICE).half()
     b = torch.randn(n, device=DEVICE).half()
     out = linear_small_m(x, q, b, weight_scale=scale, config=config)
-    assert_close(out, _ref(x, q, scale, b), TOL[torch.float16], f"{scales} {config}")
+    assert_close(out, _ref(x, q, scale, b), GEMV_TOL[torch.float16], f"{scales} {config}")
 
 
 # diag (M <= 8, x's rows in 8 / M chunks): BLOCK_K 128 (chunks of 16 at M = 1, the dot's K)
@@ -186,12 +184,12 @@ def test_fp8_gemv_diag_matches_reference(config, scales, m):
         b = torch.randn(n, device=DEVICE).half()
         got = linear_small_m(x, q, b, weight_scale=scale, config=config, diag=True)
         want = _ref(x, q, scale, b)
-        assert_close(got, want, TOL[torch.float16], f"{scales} {config} N={n} K={k}")
+        assert_close(got, want, GEMV_TOL[torch.float16], f"{scales} {config} N={n} K={k}")
         plain = linear_small_m(x, q, b, weight_scale=scale, config=config)
-        assert_close(got, plain.double(), TOL[torch.float16], f"diag vs not {config}")
+        assert_close(got, plain.double(), GEMV_TOL[torch.float16], f"diag vs not {config}")
     gated = linear_small_m(x, q, weight_scale=scale, config=config, act="silu", diag=True)
     g, u = want.sub(b.double()).chunk(2, dim=1)
-    assert_close(gated, torch.nn.functional.silu(g) * u, TOL[torch.float16], f"gated {config}")
+    assert_close(gated, torch.nn.functional.silu(g) * u, GEMV_TOL[torch.float16], f"gated {config}")
 
 
 def test_fp8_gemv_diag_refuses_what_it_cannot_take():
@@ -228,7 +226,7 @@ def test_fp8_gemv_bf16_rows_outside_f16_range(scales, m, diag):
             if ref[i].abs().max() == 0:
                 assert (got[i] == 0).all(), what
             else:
-                assert_close(got[i], ref[i], TOL[torch.bfloat16], what)
+                assert_close(got[i], ref[i], GEMV_TOL[torch.bfloat16], what)
 
 
 @pytest.mark.parametrize("magnitude", [1e-36, 1e-38])
@@ -245,7 +243,7 @@ def test_fp8_gemv_bf16_rows_too_small_for_any_shift_stay_finite(magnitude):
     # within 20% at 1e-36; at 1e-38 (bf16 and float32 subnormals) only bounded
     bound = 0.2 if magnitude > 1e-37 else 2.0
     assert (got[0] - ref[0]).abs().max() <= bound * ref[0].abs().max(), (got[0], ref[0])
-    assert_close(got[1], ref[1], TOL[torch.bfloat16], "the row in range beside it")
+    assert_close(got[1], ref[1], GEMV_TOL[torch.bfloat16], "the row in range beside it")
 
 
 @pytest.mark.parametrize("config", [None, (64, 256, 1, 4, 4)])
@@ -261,7 +259,7 @@ def test_fp8_gemv_block_scales_read_none_past_the_row(config):
     poisoned = room[: rows * cols].view(rows, cols)
     x = torch.randn(1, k, device=DEVICE, dtype=torch.float16)
     got = linear_small_m(x, q, weight_scale=poisoned, config=config).float()
-    assert_close(got, _ref(x, q, scale), TOL[torch.float16], f"block scales, config {config}")
+    assert_close(got, _ref(x, q, scale), GEMV_TOL[torch.float16], f"block scales, config {config}")
 
 
 def test_fp8_gemv_heuristic_tiles():
@@ -330,7 +328,7 @@ def test_block_fp8_matmul(m, n, k, config, out_dtype):
     x_deq = xq.double() * xs.double().repeat_interleave(128, 1)[:, :k]
     ref = x_deq @ quant.dequantize(q, scale, torch.float64).T + b.double()
     assert got.dtype == out_dtype
-    assert_close(got, ref, TOL[out_dtype], f"M={m} N={n} K={k} {config}")
+    assert_close(got, ref, GEMV_TOL[out_dtype], f"M={m} N={n} K={k} {config}")
 
 
 def test_quantized_activation_scales():
@@ -370,7 +368,7 @@ def test_fp8_gemv_llama_shapes_bf16(n, k, m, scales):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = linear_small_m(x, q, b, weight_scale=scale)
-    assert_close(out, _ref(x, q, scale, b), TOL[torch.bfloat16], f"{scales} M={m} N={n} K={k}")
+    assert_close(out, _ref(x, q, scale, b), GEMV_TOL[torch.bfloat16], f"{scales} M={m} N={n} K={k}")
 
 
 # one tile of each kind ``kernels.bench_fp8 --sweep`` times: mma.sync with 2 warps of 64 rows and
@@ -403,15 +401,17 @@ def test_fp8_gemv_tile_kinds_bf16(tile, split, scales):
     for m in (1, 5, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = linear_small_m(x, q, weight_scale=scale, config=config)
-        assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m}")
+        assert_close(out, _ref(x, q, scale), GEMV_TOL[torch.bfloat16], f"{scales} {tile} M={m}")
     for m in (1, 5) if tile[1] >= 128 else ():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = linear_small_m(x, q, weight_scale=scale, config=config, diag=True)
-        assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"{scales} {tile} M={m} diag")
+        assert_close(
+            out, _ref(x, q, scale), GEMV_TOL[torch.bfloat16], f"{scales} {tile} M={m} diag"
+        )
         gated = linear_small_m(x, gq, weight_scale=gscale, config=config, act="silu", diag=True)
         g, u = _ref(x, gq, gscale).chunk(2, dim=1)
         want = torch.nn.functional.silu(g) * u
-        assert_close(gated, want, TOL[torch.bfloat16], f"{scales} {tile} M={m} diag gated")
+        assert_close(gated, want, GEMV_TOL[torch.bfloat16], f"{scales} {tile} M={m} diag gated")
 
 
 @pytest.mark.gpu
@@ -426,7 +426,7 @@ def test_fp8_gemv_cuda_graph_replay(scales):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert_close(out, _ref(x, q, scale), TOL[torch.bfloat16], f"graph {scales}")
+        assert_close(out, _ref(x, q, scale), GEMV_TOL[torch.bfloat16], f"graph {scales}")
 
 
 @pytest.mark.gpu

@@ -35,8 +35,6 @@ from kernels import gemv, quant  # noqa: E402
 from kernels import reference as torch_ops  # noqa: E402
 from kernels.gemv import MAX_M, gemv_config, linear_act_and_mul, linear_small_m  # noqa: E402
 
-DTYPES, TOL = GEMV_DTYPES, GEMV_TOL
-
 
 def reference(x, w, bias=None) -> torch.Tensor:
     ref = x.double() @ w.double().T
@@ -57,32 +55,32 @@ def run(m, n, k, dtype, bias=False, config=None, x_pad=0, out_pad=0, diag=False)
 # ---------------------------------------------------------------- correctness
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("n,k", [(100, 200), (64, 1024), (17, 48)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference(dtype, m, n, k, bias):
     out, ref = run(m, n, k, dtype, bias)
     assert out.shape == (m, n) and out.dtype == dtype
-    assert_close(out, ref, TOL[dtype], f"M={m} N={n} K={k} bias={bias}")
+    assert_close(out, ref, GEMV_TOL[dtype], f"M={m} N={n} K={k} bias={bias}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 5])
 def test_strided_rows_and_default_out(dtype, m):
     """x and out with padded rows (row stride > K, N); and out=None allocates."""
     out, ref = run(m, 72, 136, dtype, bias=True, x_pad=37, out_pad=5)
-    assert_close(out, ref, TOL[dtype], "strided")
+    assert_close(out, ref, GEMV_TOL[dtype], "strided")
     x = torch.randn(m, 136 + 8, device=DEVICE).to(dtype)[:, :136]
     w = torch.randn(72, 136, device=DEVICE).to(dtype)
-    assert_close(linear_small_m(x, w), reference(x, w), TOL[dtype], "out=None")
+    assert_close(linear_small_m(x, w), reference(x, w), GEMV_TOL[dtype], "out=None")
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): K tails, uneven and capped splits
 SPLIT_CONFIGS = [(16, 64, 3, 4, 2), (16, 64, 8, 4, 2), (32, 32, 64, 4, 3), (16, 128, 2, 4, 3)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("config", SPLIT_CONFIGS)
 def test_split_k(dtype, m, config):
@@ -90,31 +88,31 @@ def test_split_k(dtype, m, config):
     n, k = 40, 300  # K: 5 tiles of 64, 10 of 32, 3 of 128; none divides evenly
     torch.manual_seed(1234 + m)
     out, ref = run(m, n, k, dtype, bias=True, config=config)
-    assert_close(out, ref, TOL[dtype], f"split {config}")
+    assert_close(out, ref, GEMV_TOL[dtype], f"split {config}")
     torch.manual_seed(1234 + m)
     unsplit, _ = run(m, n, k, dtype, bias=True, config=config[:2] + (1,) + config[3:])
-    assert_close(out, unsplit.double(), 2 * TOL[dtype], "split vs unsplit")
+    assert_close(out, unsplit.double(), 2 * GEMV_TOL[dtype], "split vs unsplit")
 
 
 # diag (x's rows in 8 / M chunks as the dot's columns): one and four warps, K tails, split
 DIAG_CONFIGS = [(16, 128, 1, 1, 2), (32, 256, 3, 1, 3), (64, 128, 2, 4, 2)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("config", DIAG_CONFIGS)
 def test_diag_matches_reference(dtype, m, config):
     """``diag`` on a float weight (M = 1 on tl.dot, where it otherwise multiplies
     elementwise): the reference's sums, K with a tail, a bias, padded rows, split or not."""
     out, ref = run(m, 72, 700, dtype, bias=True, config=config, x_pad=5, out_pad=3, diag=True)
-    assert_close(out, ref, TOL[dtype], f"diag M={m} {config}")
+    assert_close(out, ref, GEMV_TOL[dtype], f"diag M={m} {config}")
 
 
 def test_split_counters_left_zero():
     """Every launch leaves the split counters zero (CUDA-graph replays need no memset)."""
     for _ in range(3):
         out, ref = run(2, 50, 256, torch.float32, config=(16, 32, 4, 4, 2))
-        assert_close(out, ref, TOL[torch.float32], "split repeat")
+        assert_close(out, ref, GEMV_TOL[torch.float32], "split repeat")
     assert int(gemv._COUNTERS[out.device].abs().sum()) == 0
 
 
@@ -125,7 +123,7 @@ def test_heuristic_splits_narrow_layers(monkeypatch):
     assert cfg[2] > 1, cfg
     for m in (1, 4):
         out, ref = run(m, 100, 4096, torch.float32)
-        assert_close(out, ref, TOL[torch.float32], f"heuristic split {cfg} M={m}")
+        assert_close(out, ref, GEMV_TOL[torch.float32], f"heuristic split {cfg} M={m}")
 
 
 def test_heuristic_configs():
@@ -199,7 +197,7 @@ def test_errors():
 def test_llama_shapes_bf16(n, k, m):
     """Llama-3-8B shapes in bf16, heuristic configs (N=1024 at M > 1 splits K on an H100)."""
     out, ref = run(m, n, k, torch.bfloat16, bias=True)
-    assert_close(out, ref, TOL[torch.bfloat16], f"bf16 M={m} N={n} K={k}")
+    assert_close(out, ref, GEMV_TOL[torch.bfloat16], f"bf16 M={m} N={n} K={k}")
 
 
 @pytest.mark.gpu
@@ -210,7 +208,7 @@ def test_diag_llama_shapes_bf16(config, m):
     --diag`` times; their layouts exist only on the GPU)."""
     for n, k in [(4096, 4096), (4096, 14336)]:
         out, ref = run(m, n, k, torch.bfloat16, bias=True, config=config, diag=True)
-        assert_close(out, ref, TOL[torch.bfloat16], f"bf16 diag M={m} N={n} K={k} {config}")
+        assert_close(out, ref, GEMV_TOL[torch.bfloat16], f"bf16 diag M={m} N={n} K={k} {config}")
 
 
 @pytest.mark.gpu
@@ -232,7 +230,7 @@ def test_cuda_graph_replay(config, m):
         graph.replay()
         torch.cuda.synchronize()
         ref = reference(x, w, b)
-        assert_close(out, ref, TOL[dtype], f"graph replay {config}")
+        assert_close(out, ref, GEMV_TOL[dtype], f"graph replay {config}")
         assert torch.equal(out, out2)  # the same sum order whichever program finishes last
 
 
@@ -265,14 +263,14 @@ def run_gated(m, inter, k, dtype, act, bias=False, config=None, scales=None, out
     return got, gated_reference(x, w_ref, act, b)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("inter,k", [(37, 300), (64, 1024), (5, 48)])
 def test_gated_matches_reference(dtype, act, inter, k):
     """M = 1..8, the heuristic's tiles (M = 1: the FMA loop; M > 1: tl.dot), odd I and K."""
     for m in range(1, 9):
         out, ref = run_gated(m, inter, k, dtype, act, bias=m % 2 == 0, out_pad=3)
-        assert_close(out, ref, TOL[dtype], f"{act} M={m} I={inter} K={k}")
+        assert_close(out, ref, GEMV_TOL[dtype], f"{act} M={m} I={inter} K={k}")
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): M = 1's FMA tiles (2 and 4 gate rows a
@@ -290,11 +288,11 @@ def test_gated_configs_and_split_k(config, act, m):
     inter, k = 45, 333  # tiles past I; K: 6 tiles of 64, 11 of 32, 3 of 128, none even
     torch.manual_seed(77 + m)
     out, ref = run_gated(m, inter, k, torch.float32, act, bias=True, config=config)
-    assert_close(out, ref, TOL[torch.float32], f"{act} M={m} {config}")
+    assert_close(out, ref, GEMV_TOL[torch.float32], f"{act} M={m} {config}")
     torch.manual_seed(77 + m)
     unsplit, _ = run_gated(m, inter, k, torch.float32, act, bias=True,
                            config=config[:2] + (1,) + config[3:])  # fmt: skip
-    assert_close(out, unsplit.double(), 2 * TOL[torch.float32], "split vs unsplit")
+    assert_close(out, unsplit.double(), 2 * GEMV_TOL[torch.float32], "split vs unsplit")
     counters = gemv._COUNTERS.get(out.device)  # made by the first split launch
     assert counters is None or int(counters.abs().sum()) == 0
 
@@ -312,7 +310,7 @@ def test_gated_fp8(scales, act, inter, k):
                 run_gated(m, inter, k, torch.float16, act, scales=scales)
             continue
         out, ref = run_gated(m, inter, k, torch.float16, act, scales=scales)
-        assert_close(out, ref, TOL[torch.float16], f"{scales} {act} M={m} I={inter}")
+        assert_close(out, ref, GEMV_TOL[torch.float16], f"{scales} {act} M={m} I={inter}")
 
 
 def test_gated_block_scales_off_the_tiles_take_two_steps(monkeypatch):
@@ -325,7 +323,7 @@ def test_gated_block_scales_off_the_tiles_take_two_steps(monkeypatch):
         assert gemv._fuses(x, w, scale) == (inter % 64 == 0), inter
         got = linear_act_and_mul(x, w, None, scale, "silu")
         ref = gated_reference(x, quant.dequantize(w, scale, torch.float64), "silu")
-        assert_close(got, ref, TOL[torch.float16], f"block scales I={inter}")
+        assert_close(got, ref, GEMV_TOL[torch.float16], f"block scales I={inter}")
 
 
 @pytest.mark.parametrize("config", [(16, 64, 3, 4, 2), (32, 256, 2, 4, 2), (64, 128, 1, 4, 2)])
@@ -337,7 +335,7 @@ def test_gated_fp8_configs_and_split_k(config, scales, m):
     inter = 100 if scales == "channel" else 96
     out, ref = run_gated(m, inter, 700, torch.float16, "gelu_tanh", bias=True, config=config,
                          scales=scales)  # fmt: skip
-    assert_close(out, ref, TOL[torch.float16], f"{scales} {config} M={m}")
+    assert_close(out, ref, GEMV_TOL[torch.float16], f"{scales} {config} M={m}")
 
 
 def test_gated_errors():
@@ -376,13 +374,13 @@ def test_linear_act_and_mul_chooses_one_path(monkeypatch, act):
     assert launches == [act]
     want = gemv._ACT_AND_MUL[act](gemv.linear(x, w))
     assert torch.equal(two_step, want)
-    assert_close(two_step, ref, TOL[torch.float16], f"{act} two steps")
+    assert_close(two_step, ref, GEMV_TOL[torch.float16], f"{act} two steps")
     monkeypatch.setattr(gemv, "_streams", lambda x, weight: True)
     fused = linear_act_and_mul(x, w, act=act)
     assert launches == [act, act]  # the check above; none here
-    assert_close(fused, ref, TOL[torch.float16], f"{act} fused")
+    assert_close(fused, ref, GEMV_TOL[torch.float16], f"{act} fused")
     assert_close(fused, torch_ops.linear_act_and_mul(x, w, None, None, act).double(),
-                 TOL[torch.float16], "against the torch backend's op")  # fmt: skip
+                 GEMV_TOL[torch.float16], "against the torch backend's op")  # fmt: skip
 
 
 # Gemma 3 12B and Llama 3 8B gate_up ([2I, K]), bf16, the heuristic's tiles on the GPU
@@ -397,7 +395,7 @@ GATED_SHAPES = {"gemma3-12b": (15360, 3840), "llama3-8b": (14336, 4096)}
 def test_gated_model_shapes_bf16(shape, act, m, scales):
     inter, k = GATED_SHAPES[shape]
     out, ref = run_gated(m, inter, k, torch.bfloat16, act, scales=scales)
-    assert_close(out, ref, TOL[torch.bfloat16], f"{shape} {act} {scales} M={m}")
+    assert_close(out, ref, GEMV_TOL[torch.bfloat16], f"{shape} {act} {scales} M={m}")
 
 
 @pytest.mark.gpu
@@ -418,9 +416,9 @@ def test_gated_cuda_graph_replay(config, m):
         graph.replay()
         torch.cuda.synchronize()
         ref = gated_reference(x, w.double(), "gelu_tanh")
-        assert_close(out, ref, TOL[dt], f"graph replay {config}")
+        assert_close(out, ref, GEMV_TOL[dt], f"graph replay {config}")
         unfused = torch_ops.gelu_tanh_and_mul(linear_small_m(x, w, config=config))
-        assert_close(out, unfused.double(), 2 * TOL[dt], "fused vs unfused")
+        assert_close(out, unfused.double(), 2 * GEMV_TOL[dt], "fused vs unfused")
 
 
 def test_diag_tiles_of_the_heuristic():
@@ -440,5 +438,5 @@ def test_diag_tiles_of_the_heuristic():
         w = torch.randn(72, 700, device=DEVICE, dtype=torch.float32)
         want = linear_small_m(x, w, config=gemv_config(m, 72, 700, 4)[:5], diag=False)
         got = linear_small_m(x, w)
-        assert_close(got, x.double() @ w.double().T, TOL[torch.float32], f"default M={m}")
-        assert_close(got, want.double(), TOL[torch.float32], f"diag vs not M={m}")
+        assert_close(got, x.double() @ w.double().T, GEMV_TOL[torch.float32], f"default M={m}")
+        assert_close(got, want.double(), GEMV_TOL[torch.float32], f"diag vs not M={m}")

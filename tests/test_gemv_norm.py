@@ -46,8 +46,6 @@ CONFIGS = [
     ((32, 128, 2, 1, 3), True),
 ]
 
-DTYPES, TOL = GEMV_DTYPES, GEMV_TOL
-
 
 def weights(n, k, dtype, scales=None):
     """A random weight [n, k] (or e4m3 with its scales) and its float64 values."""
@@ -75,7 +73,7 @@ def split_sums(x, parts):
 # ---------------------------------------------------------------- the producer: residual add
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("config,diag", CONFIGS)
 def test_residual_add_and_tile_sums(dtype, m, config, diag):
@@ -91,7 +89,7 @@ def test_residual_add_and_tile_sums(dtype, m, config, diag):
     product = linear_small_m(x, w, b, config=config, diag=diag)
     assert out.shape == (m, n) and out.dtype == dtype
     assert torch.equal(out, (r.float() + product.float()).to(dtype)), "rounded, added, rounded"
-    assert_close(out, r.double() + x.double() @ w64.T + b.double(), TOL[dtype], "the sum")
+    assert_close(out, r.double() + x.double() @ w64.T + b.double(), GEMV_TOL[dtype], "the sum")
     assert sumsq.dtype == torch.float32 and sumsq.shape[0] == m
     assert_close(sumsq.double().sum(1), out.double().square().sum(1), 1e-5, "row sums")
     if config:  # the heuristic's tile is the device's
@@ -109,7 +107,7 @@ def test_residual_add_fp8_weights(scales, m):
     x, r = torch.randn(m, k, device=DEVICE).half(), stream(m, n, torch.float16)
     w, s, w64 = weights(n, k, None, scales)
     out, sumsq = linear_small_m(x, w, weight_scale=s, residual=r)
-    assert_close(out, r.double() + x.double() @ w64.T, TOL[torch.float16], f"{scales} sum")
+    assert_close(out, r.double() + x.double() @ w64.T, GEMV_TOL[torch.float16], f"{scales} sum")
     assert_close(sumsq.double().sum(1), out.double().square().sum(1), 1e-5, "row sums")
 
 
@@ -123,7 +121,7 @@ def normed_reference(x, sumsq, nw, eps, w64, bias=None):
     return ref + bias.double() if bias is not None else ref
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("config,diag", CONFIGS)
 @pytest.mark.parametrize("parts", [1, 7, 300])
@@ -137,7 +135,7 @@ def test_norm_applied_as_x_loads(dtype, m, config, diag, parts):
     nw = (1 + 0.5 * torch.randn(k, device=DEVICE)).to(dtype)
     sumsq = split_sums(x, parts)
     got = linear_small_m(x, w, b, config=config, diag=diag, norm=RowNorm(sumsq, nw, eps))
-    assert_close(got, normed_reference(x, sumsq, nw, eps, w64, b), TOL[dtype],
+    assert_close(got, normed_reference(x, sumsq, nw, eps, w64, b), GEMV_TOL[dtype],
                  f"M={m} {config} diag={diag} P={parts}")  # fmt: skip
 
 
@@ -156,10 +154,10 @@ def test_norm_fp8_and_gated(scales, act, m):
     if act:
         gate, up = ref.chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
-    assert_close(got, ref, TOL[torch.float16], f"{scales} act={act} M={m}")
+    assert_close(got, ref, GEMV_TOL[torch.float16], f"{scales} act={act} M={m}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
 @pytest.mark.parametrize("m", [1, 4])
 def test_producer_then_consumer_is_add_norm_then_linear(dtype, m):
     """linear_add, then linear(norm=) on its sums: the residual and the product that
@@ -173,7 +171,7 @@ def test_producer_then_consumer_is_add_norm_then_linear(dtype, m):
     got = linear_small_m(stream_out, w2, norm=RowNorm(sumsq, nw, eps))
     normed, residual = add_rms_norm(linear_small_m(a, w1), r, nw, eps)
     assert torch.equal(stream_out, residual), "the residual stream, bit for bit"
-    assert_close(got, normed.double() @ w2_64.T, TOL[dtype], "the normed product")
+    assert_close(got, normed.double() @ w2_64.T, GEMV_TOL[dtype], "the normed product")
 
 
 @pytest.mark.skipif(GPU, reason="the CPU's path: tensors off CUDA")
@@ -190,7 +188,7 @@ def test_linear_add_and_norm_off_the_gemv():
     assert_close(sumsq, want_sq.double(), 1e-6, "row sums")
     got = linear(out, w2, norm=RowNorm(sumsq, nw, eps))
     ref = torch_ops.linear(out, w2, norm=RowNorm(sumsq, nw, eps))
-    assert_close(got, ref.double(), TOL[torch.float16], "normed product")
+    assert_close(got, ref.double(), GEMV_TOL[torch.float16], "normed product")
 
 
 def test_errors():
@@ -232,7 +230,7 @@ def test_llama_layer_shapes(scales, m):
         normed, residual = add_rms_norm(linear_small_m(a, w1, weight_scale=s1), r, nw, eps)
         want = linear_small_m(normed, w2, weight_scale=s2, act=act)
         assert torch.equal(h, residual), f"{scales} M={m} the residual stream"
-        assert_close(got, want.double(), TOL[dtype], f"{scales} M={m} N={n2} act={act}")
+        assert_close(got, want.double(), GEMV_TOL[dtype], f"{scales} M={m} N={n2} act={act}")
 
 
 @pytest.mark.gpu
@@ -258,7 +256,7 @@ def test_cuda_graph_replay(m):
         torch.cuda.synchronize()
         normed, residual = add_rms_norm(linear_small_m(a, w1, weight_scale=s1), r, nw, eps)
         assert torch.equal(h, residual)
-        assert_close(out, normed.double() @ w2.double().T, TOL[dtype], f"replay M={m}")
+        assert_close(out, normed.double() @ w2.double().T, GEMV_TOL[dtype], f"replay M={m}")
 
 
 @pytest.mark.gpu
