@@ -146,10 +146,11 @@ class TestOneEngineOnTwoRanks:
 def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint, block_size):
     """Teacher forcing over 35 tokens in steps of 10 (later chunks read the fp8 cache of
     earlier ones): the logits differ only by the all-reduces' order of sums, and the rare fp8
-    rounding that this tips over: a cached K/V value one e4m3 step (2^-3) away moves the
-    logits by up to ~2e-5 relative (measured: at most 6.7e-7 over 40 texts of 120 tokens, then
-    1.8e-5 in one run of eight of this test), so the bound is 1e-3; a missing all-reduce or a
-    wrong shard moves them by ~1. Pages of 64 tokens are stored a head's rows together
+    rounding that this tips over: a cached K/V value one e4m3 step (2^-3) away. Measured on
+    this checkpoint's shape, 3,000 texts of 35 tokens (pages of 64): median 3.9e-7 relative,
+    59 texts above 1e-5, 3 above 1e-3, the largest 4.3e-3 (and 1.4e-3 once in CI, where the
+    bound of 1e-3 failed), so the bound is 2e-2; a missing all-reduce or a wrong shard moves
+    them by ~1. Pages of 64 tokens are stored a head's rows together
     (``kv_quant.head_major_pages``), each rank's of its own KV heads."""
     config = dict(model=checkpoint, quantization="fp8", kv_cache_dtype="fp8",
                   **{**ENGINE, "block_size": block_size})  # fmt: skip
@@ -168,7 +169,7 @@ def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint, block_
             got[size] = ([o.token_ids for o in outs], logits, runner.kv_bytes_per_token)
     assert got[2][2] * 2 == got[1][2]  # fp8 pages and scales of one KV head of two
     assert got[2][0] == got[1][0]
-    assert rel_err(got[2][1], got[1][1]) < 1e-3, describe_diff(got[2][1], got[1][1])
+    assert rel_err(got[2][1], got[1][1]) < 2e-2, describe_diff(got[2][1], got[1][1])
 
 
 # ---- start-up refusals ----------------------------------------------------------------------
