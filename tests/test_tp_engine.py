@@ -7,8 +7,9 @@ starts rank 1 itself.
 - a worker killed mid-generation: the open requests end with an error, the engine reports
   dead, nothing hangs (bounded waits);
 - float8 weights (``--quantization fp8``) with an fp8 KV cache on two ranks: each rank's pools
-  (fp8 pages and their scales) hold its KV head, at its bytes per token; greedy tokens and
-  teacher-forced logits (``prompt_logits``, eager on every rank) are one rank's;
+  (fp8 pages and their scales) hold its KV head, at its bytes per token; teacher-forced
+  logits (``prompt_logits``, eager on every rank) are one rank's up to the rare fp8 rounding
+  flip, and so are greedy tokens, unless they part at a near-tie;
 - start-up refusals in one line: heads that do not divide, and an fp8 checkpoint's 128x128
   block scales that the ranks would split inside a block (both before any worker starts), more
   ranks than GPUs (the check's logic, without a GPU); a worker that cannot load its share
@@ -147,17 +148,18 @@ def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint, block_
     """Teacher forcing over 35 tokens in steps of 10 (later chunks read the fp8 cache of
     earlier ones): the logits differ only by the all-reduces' order of sums, and the rare fp8
     rounding that this tips over: a cached K/V value one e4m3 step (2^-3) away. Measured on
-    this checkpoint's shape, 3,000 texts of 35 tokens (pages of 64): median 3.9e-7 relative,
-    59 texts above 1e-5, 3 above 1e-3, the largest 4.3e-3 (and 1.4e-3 once in CI, where the
-    bound of 1e-3 failed), so the bound is 2e-2; a missing all-reduce or a wrong shard moves
-    them by ~1. Pages of 64 tokens are stored a head's rows together
-    (``kv_quant.head_major_pages``), each rank's of its own KV heads."""
+    this checkpoint's shape, two runs of 3,000 texts of 35 tokens (pages of 64): median 3.9e-7
+    relative, 59 / 64 texts above 1e-5, 3 / 6 above 1e-3, the largest 4.3e-3 / 1.7e-3 (and
+    1.4e-3 once in CI, where a bound of 1e-3 failed), so the bound is 2e-2; a missing
+    all-reduce or a wrong shard moves them by ~1. Greedy tokens part only at a near-tie
+    (``_same_greedy_tokens_but_at_a_near_tie``). Pages of 64 tokens are stored a head's rows
+    together (``kv_quant.head_major_pages``), each rank's of its own KV heads."""
     config = dict(model=checkpoint, quantization="fp8", kv_cache_dtype="fp8",
                   **{**ENGINE, "block_size": block_size})  # fmt: skip
     reqs = [(p, s) for p, s in _requests() if s.temperature == 0]
     text = torch.randint(3, 500, (35,)).tolist()
     got = {}
-    for size in (1, 2):
+    for size in (2, 1):  # one rank last: its engine judges where the greedy tokens part
         with LLM(EngineConfig(tensor_parallel_size=size, **config)) as llm:
             runner = llm.engine.runner
             k, v, k_scale, v_scale = runner.kv_caches[0]
@@ -167,9 +169,26 @@ def test_fp8_weights_and_kv_cache_on_two_ranks_are_one_rank_s(checkpoint, block_
             outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs])
             logits = torch.cat(list(llm.engine.prompt_logits(text)))
             got[size] = ([o.token_ids for o in outs], logits, runner.kv_bytes_per_token)
+            if size == 1:
+                for (prompt, _), ours, want in zip(reqs, got[2][0], got[1][0]):
+                    _same_greedy_tokens_but_at_a_near_tie(llm, prompt, ours, want)
     assert got[2][2] * 2 == got[1][2]  # fp8 pages and scales of one KV head of two
-    assert got[2][0] == got[1][0]
     assert rel_err(got[2][1], got[1][1]) < 2e-2, describe_diff(got[2][1], got[1][1])
+
+
+def _same_greedy_tokens_but_at_a_near_tie(one_rank: LLM, prompt, ours, want, margin=0.05):
+    """Greedy tokens ``ours`` equal to ``want`` (one rank's), or parting where one rank's
+    logits give ours within ``margin`` of its pick: the rounding flips above moved a logit by
+    at most 1.8e-2 over 3,000 texts, and greedy runs of 12 tokens parted in 1 of 1,500 (0 of
+    3,000 in a second run, 2026-11-28); a wrong all-reduce moves the logits by ~1 and fails
+    the logits bound."""
+    if ours == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(ours, want)) if a != b)
+    logits = torch.cat(list(one_rank.engine.prompt_logits(prompt + want[:i])))[-1]
+    gap = (logits[want[i]] - logits[ours[i]]).item()  # ~0 or above: teacher forcing chunks
+    # the sequence otherwise than generation did
+    assert abs(gap) < margin, f"token {i}: ours {ours[i]}, one rank's {want[i]}, gap {gap:.3g}"
 
 
 # ---- start-up refusals ----------------------------------------------------------------------
