@@ -22,7 +22,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -32,7 +31,7 @@ from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import EngineDeadError, LLMEngine, Request
 from flashserve.engine.messages import EngineStats
 from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.protocol import RequestStats, relay
+from flashserve.engine.protocol import RequestStats, new_request_id, relay
 from flashserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,19 +105,7 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         """The engine's gauges now: plain ints and floats that the engine thread writes,
         safe to read from any thread (never mutate)."""
-        engine = self.engine
-        scheduler = engine.scheduler
-        return EngineStats(
-            time=self.last_step_time,
-            running=scheduler.num_running,
-            waiting=scheduler.num_waiting,
-            kv_usage=engine.block_manager.usage(),
-            preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits,
-            unfinished=len(engine.requests),
-            gpu_memory=self.device_memory(),
-        )
+        return self.engine.stats(self.last_step_time, self.device_memory())
 
     def check_text_fits(self, text: str) -> None:
         self.engine.check_text_fits(text)
@@ -129,24 +116,15 @@ class AsyncLLM:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ValueError before the first one if it is bad."""
-        if not self.is_running:
-            raise RuntimeError("the engine is not running")
-        rid = request_id or uuid.uuid4().hex
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+        rid = new_request_id(self.is_running, self._streams, request_id)
         arrival = time.monotonic()
         req = await asyncio.to_thread(self.engine.make_request, prompt, params, rid)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), stream)
         stats = RequestStats(arrival, num_prompt_tokens=req.seq.num_prompt_tokens)
         self._post(("add", req))
-
-        def close(finished: bool) -> None:
-            self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
-
-        async with aclosing(relay(stream, stats, self.on_finished, close)) as outputs:
+        relayed = relay(stream, stats, self.on_finished, self._streams, rid, self.abort)
+        async with aclosing(relayed) as outputs:
             async for out in outputs:
                 yield out
 

@@ -235,20 +235,8 @@ class EngineCore:
         self.outbox.send(self.codec.encode(StepMessage(wire, self._stats())))
 
     def _stats(self) -> EngineStats:
-        engine, now = self.engine, time.monotonic()
-        self._last_publish = now
-        scheduler = engine.scheduler
-        return EngineStats(
-            time=now,
-            running=scheduler.num_running,
-            waiting=scheduler.num_waiting,
-            kv_usage=engine.block_manager.usage(),
-            preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits,
-            unfinished=len(engine.requests),
-            gpu_memory=self._device_memory(now),
-        )
+        now = self._last_publish = time.monotonic()
+        return self.engine.stats(now, self._device_memory(now))
 
     def _device_memory(self, now: float) -> tuple[int, int] | None:
         """(allocated, reserved) bytes on the engine's CUDA device, read at most once per

@@ -24,7 +24,6 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from flashserve.engine.messages import (
 )
 from flashserve.engine.outputs import RequestOutput
 from flashserve.engine.prompts import PromptChecker
-from flashserve.engine.protocol import RequestStats, relay
+from flashserve.engine.protocol import RequestStats, new_request_id, relay
 from flashserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -230,11 +229,7 @@ class EngineCoreClient:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ValueError before the first one if it is bad."""
-        if not self.is_running:
-            raise RuntimeError("the engine is not running")
-        rid = request_id or uuid.uuid4().hex
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+        rid = new_request_id(self.is_running, self._streams, request_id)
         arrival = time.monotonic()
         ids = await asyncio.to_thread(self.prompts.checked_ids, prompt, params)
         state = _Open(asyncio.Queue(), ids)
@@ -244,13 +239,8 @@ class EngineCoreClient:
             self._send(AddRequest(rid, ids, params))
         else:  # the core died while the prompt was checked: an error, as for those it held
             self._fail(rid, state)
-
-        def close(finished: bool) -> None:
-            self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
-
-        async with aclosing(relay(state.queue, stats, self.on_finished, close)) as outputs:
+        relayed = relay(state.queue, stats, self.on_finished, self._streams, rid, self.abort)
+        async with aclosing(relayed) as outputs:
             async for out in outputs:
                 yield out
 

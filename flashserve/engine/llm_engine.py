@@ -23,6 +23,7 @@ import torch
 
 from flashserve.config import EngineConfig
 from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.messages import EngineStats
 from flashserve.engine.model_runner import ModelRunner, SampledToken
 from flashserve.engine.outputs import Completion, RequestOutput, TokenOutput
 from flashserve.engine.prompts import PromptChecker
@@ -153,6 +154,22 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def stats(self, now: float, gpu_memory: tuple[int, int] | None) -> EngineStats:
+        """The gauges at ``now`` (the caller's ``time.monotonic()``), with the allocator's
+        ``gpu_memory`` that the caller samples at its own rate."""
+        scheduler = self.scheduler
+        return EngineStats(
+            time=now,
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            kv_usage=self.block_manager.usage(),
+            preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+            unfinished=len(self.requests),
+            gpu_memory=gpu_memory,
+        )
 
     def check_alive(self) -> None:
         """EngineDeadError once the engine cannot go on (a tensor-parallel rank died); the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -95,15 +96,28 @@ class EngineClient(Protocol):
         ``error``: the shutdown's cut, so that each stream ends with its error event."""
 
 
+def new_request_id(running: bool, streams: dict, request_id: str | None) -> str:
+    """A new request's id: ``request_id``, or a fresh one. RuntimeError where the engine is
+    not ``running``; ValueError where ``streams`` (the open requests by id) holds it."""
+    if not running:
+        raise RuntimeError("the engine is not running")
+    rid = request_id or uuid.uuid4().hex
+    if rid in streams:
+        raise ValueError(f"request id {rid!r} is already in use")
+    return rid
+
+
 async def relay(
     stream: asyncio.Queue,
     stats: RequestStats,
     on_finished: list[Callable[[RequestStats], None]],
-    close: Callable[[bool], None],
+    streams: dict,
+    rid: str,
+    abort: Callable[[str], None],
 ) -> AsyncIterator[RequestOutput]:
     """Yield the outputs that arrive on ``stream`` as ``(when, output)`` until the finished
-    one, folding each into ``stats``; then, or when the caller stops early, call
-    ``close(finished)`` (which aborts an unfinished request) and report ``stats``."""
+    one, folding each into ``stats``; then, or when the caller stops early, drop ``rid``
+    from ``streams``, ``abort`` it if it is unfinished, and report ``stats``."""
     finished = False
     try:
         while not finished:
@@ -112,7 +126,9 @@ async def relay(
             finished = out.finished
             yield out
     finally:
-        close(finished)
+        streams.pop(rid, None)
+        if not finished:
+            abort(rid)
         stats.finished = time.monotonic()
         for callback in on_finished:
             try:
