@@ -14,13 +14,8 @@ output within e4m3's 1/16 of the exact product.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 

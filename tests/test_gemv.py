@@ -2,8 +2,8 @@
 ``act`` (a gated MLP's gate/up projection and activation in one kernel) against
 ``act(x @ gate.T) * (x @ up.T)`` in float64, for bf16/fp16/fp32 and float8 weights.
 
-Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set here before
-anything imports Triton) on CPU tensors, at toy sizes, in fp16 and fp32 only: the interpreter
+Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, which conftest.py sets
+where there is no GPU) on CPU tensors, at toy sizes, in fp16 and fp32 only: the interpreter
 miscomputes tl.dot on bf16 operands and rounds bf16 casts wrongly. With a GPU the same tests run
 on it, in bf16 too, plus Llama-3-8B shapes and CUDA-graph replay (``gpu`` marker). Every output
 is poisoned with NaN first, so unwritten elements fail the check.
@@ -11,13 +11,8 @@ is poisoned with NaN first, so unwritten elements fail the check.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 

@@ -10,13 +10,8 @@ miscomputes tl.dot on bf16); with one, bf16 too, at Llama-3-8B shapes and under 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 

@@ -3,13 +3,8 @@ CPU, the GPU when there is one)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 

@@ -1,20 +1,15 @@
 """Triton kernels against the plain-torch reference (kernels/reference.py) on float64 copies.
 
-Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
-anything imports Triton) on CPU tensors, at small sizes, with fp16 and fp32 operands only: the
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, which conftest.py sets
+where there is no GPU) on CPU tensors, at small sizes, with fp16 and fp32 operands only: the
 interpreter miscomputes tl.dot on bf16 operands. With a GPU the same tests run on it. Every
 output is poisoned with NaN before the kernel runs, so unwritten elements fail the check.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 

@@ -13,13 +13,8 @@ tested here too; prefill's bf16 dots are tested on the GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
