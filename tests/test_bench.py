@@ -479,7 +479,10 @@ def test_bench_serve_duration_stops_sending(url, tmp_path):
     res = _serve(url, tmp_path, "--duration", "2", "--concurrency", "1",
                  "--input-len", "8", "--output-len", "60")  # fmt: skip
     s, e2e = res["summary"], res["latency_ms"]["e2e"]
-    assert s["all_completed"] and s["cancelled"] == 0 and s["requests"] >= 2
+    assert s["all_completed"] and s["cancelled"] == 0
+    # a second request starts when the first ends inside the 2 s (a loaded machine took 3 s
+    # for one: 52 ms a token)
+    assert s["requests"] >= 2 or e2e["p50"] >= 2000, (s, e2e)
     assert 2 <= s["duration_s"] < 2 + e2e["p99"] / 1e3 + 0.5
     # back to back: the requests' own time fills the run
     assert sum(r["e2e_ms"] for r in res["requests"]) / 1e3 > 0.8 * s["duration_s"]
