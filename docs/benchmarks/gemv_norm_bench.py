@@ -3,7 +3,7 @@ M = 1 with and without its part (o_proj and down: ``residual=``, the add and the
 qkv and gate/up: ``norm=``, x times the norm's weight and 1/rms on the sums), bf16 and fp8
 per-channel weights, under CUDA-graph replay, weights rotated over copies larger than L2.
 
-    python3 docs/benchmarks/gemv_norm_bench.py [--json FILE]
+    python3 docs/benchmarks/gemv_norm_bench.py [--json FILE] [--no-chain] [--only fp8:o_proj,...]
     python3 docs/benchmarks/gemv_norm_bench.py --once fp8:o_proj   # for a profiler: three
         eager calls without the fold's part, then three with it (no graph, no timing)
 """
@@ -36,9 +36,10 @@ def time_us(fn, copies: int) -> float:
     return graph_time([functools.partial(fn, i) for i in range(copies)], min_calls=CALLS)
 
 
-def _calls(x, ws, act, extra):
-    """A call of the GEMV on weight copy i."""
-    return lambda i: linear_small_m(x, ws[i][0], weight_scale=ws[i][1], act=act, **extra)
+def _calls(x, ws, act, extra, chain):
+    """A call of the GEMV on weight copy i (in the PDL chain or not)."""
+    return lambda i: linear_small_m(x, ws[i][0], weight_scale=ws[i][1], act=act, chain=chain,
+                                    **extra)  # fmt: skip
 
 
 def main() -> None:
@@ -50,13 +51,21 @@ def main() -> None:
         help="(bf16|fp8):(qkv|o_proj|"
         "gate_up|down): three eager calls plain, three with the part; no timing",
     )
+    parser.add_argument(
+        "--no-chain",
+        action="store_true",
+        help="launch each GEMV outside the PDL chain (each waits for the last)",
+    )
+    parser.add_argument("--only", help="LAYOUT:SHAPE[,...]: time these only")
     args = parser.parse_args()
+    chain = not args.no_chain
+    pick = {tuple(p.split(":")) for p in args.only.split(",")} if args.only else None
     dev, dt = "cuda", torch.bfloat16
     rows = []
     only = tuple(args.once.split(":")) if args.once else None
     for layout in ("bf16", "fp8"):
         for name, (n, k, act, role) in SHAPES.items():
-            if only and only != (layout, name):
+            if (only and only != (layout, name)) or (pick and (layout, name) not in pick):
                 continue
             nbytes = n * k * (1 if layout == "fp8" else 2)
             copies = max(2, -(-120_000_000 // nbytes))  # > 2x the 50 MB L2
@@ -69,15 +78,16 @@ def main() -> None:
             sums = torch.rand(1, 256, device=dev)
             norm = RowNorm(sums, torch.ones(k, device=dev, dtype=dt), 1e-5)
 
-            plain = _calls(x, ws, act, {})
-            fused = _calls(x, ws, act, {"norm": norm} if role == "norm" else {"residual": res})
+            plain = _calls(x, ws, act, {}, chain)
+            part = {"norm": norm} if role == "norm" else {"residual": res}
+            fused = _calls(x, ws, act, part, chain)
             if only:  # the profiler's launches: _linear_kernel 1-3 plain, 4-6 with the part
                 for f in (plain, plain, plain, fused, fused, fused):
                     f(0)
                 torch.cuda.synchronize()
                 return
             a, b, a2, b2 = (time_us(f, copies) for f in (plain, fused, plain, fused))
-            row = dict(layout=layout, shape=name, role=role, plain_us=min(a, a2),
+            row = dict(layout=layout, shape=name, role=role, chain=chain, plain_us=min(a, a2),
                        fused_us=min(b, b2), gb_s=nbytes / min(a, a2) / 1e3)  # fmt: skip
             rows.append(row)
             print(f"{layout:5} {name:8} {role:8} plain {row['plain_us']:7.2f} us  "
