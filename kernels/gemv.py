@@ -532,6 +532,18 @@ _FP8_MIN_SPLIT_K = 512  # K elements per split at least (4 tiles)
 
 W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
 
+# The register cap handed to ptxas (the launch's ``maxnreg``) for float8 weights on one-warp
+# tiles. Left to itself, ptxas gave the (16, 256, 1 warp, 6) diag tile 128 registers and a K
+# loop of 184 SASS instructions, but any second store in its epilogue (the fold's tile sums
+# of squares, even one constant) made it 96 registers and 190 instructions with 7 NOPs
+# between dependent HMMAs: fp8 o_proj with the fold 8.40 -> 11.79 us, down 23.09 -> 32.29
+# (H100, 2026-11-28, Nsight Compute: 3.14 -> 4.99 cycles between issues, 1.48 -> 1.02 TB/s).
+# With a cap of 255 (one warp: no occupancy to lose) ptxas takes 147-148 registers and a
+# 174-instruction loop with no NOPs, with or without the fold's part (sm_90 compile reports,
+# Triton 3.6). Wider tiles keep ptxas's own choice (the 2-warp gate/up tile: 179 registers
+# either way; a cap of 128 spills it).
+_FP8_ONE_WARP_MAX_REGS = 255
+
 
 def _fp8_config(
     m: int, n: int, k: int, num_sms: int, w_scale: int
@@ -581,6 +593,11 @@ def gemv_config(
     block_n, block_k, warps, stages = tile
     split = split_k_for(n, k, block_n, block_k, num_sms)
     return block_n, block_k, split, warps, stages, diag
+
+
+def max_regs_for(num_warps: int, w_scale: int) -> int:
+    """The ``maxnreg`` a tile launches with (0: ptxas's own choice)."""
+    return _FP8_ONE_WARP_MAX_REGS if w_scale != W_SCALE_NONE and num_warps == 1 else 0
 
 
 def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
@@ -656,6 +673,7 @@ def linear_small_m(
     diag: bool | None = None,  # M <= 8: x's rows in chunks as the dot's 8 columns (module doc)
     residual: torch.Tensor | None = None,  # [M, N]: out = residual + the product, and its sums
     norm: RowNorm | None = None,  # x's rows RMSNormed as they are loaded
+    max_regs: int | None = None,  # ptxas's register cap (0: its own); None: max_regs_for
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [M, N] in x.dtype ([M, N/2] with act)
     """``F.linear(x, weight, bias)`` for 1 <= M <= 16 (see module doc); fp32 accumulation.
 
@@ -685,6 +703,9 @@ def linear_small_m(
     times the rows (``_dot_steps``), where it otherwise repeats x to 16 columns (and where M = 1
     on a float weight otherwise multiplies elementwise): half the MMAs and x converted once.
     None: ``gemv_config``'s choice without ``config``, off with it.
+
+    ``max_regs``: the register cap handed to ptxas (``maxnreg``; 0 leaves the count to it);
+    None takes ``max_regs_for`` the tile and weight.
 
     ``residual`` (a sublayer's last projection; not with ``act`` or ``fold``): ``out =
     residual + product``, both rounded to x's dtype first (``kernels.reference.add_rms_norm``'s
@@ -749,6 +770,9 @@ def linear_small_m(
     sumsq = None
     if residual is not None:
         sumsq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
+    if max_regs is None:
+        max_regs = max_regs_for(num_warps, w_scale)
+    launch = {"maxnreg": max_regs} if max_regs else {}
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, part, counters,
@@ -760,6 +784,7 @@ def linear_small_m(
         X_ROWS=triton.next_power_of_2(m) if fp8 else block_m,
         F16_DOT=fp8 and x.dtype != torch.float32, DIAG=diag, GATED=gated,
         LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
+        **launch,
         **_fold_args(fold), **_residual_args(residual, sumsq), **_norm_args(norm),
     )  # fmt: skip
     return out if residual is None else (out, sumsq)

@@ -4,6 +4,7 @@ qkv and gate/up: ``norm=``, x times the norm's weight and 1/rms on the sums), bf
 per-channel weights, under CUDA-graph replay, weights rotated over copies larger than L2.
 
     python3 docs/benchmarks/gemv_norm_bench.py [--json FILE] [--no-chain] [--only fp8:o_proj,...]
+        [--max-regs N]
     python3 docs/benchmarks/gemv_norm_bench.py --once fp8:o_proj   # for a profiler: three
         eager calls without the fold's part, then three with it (no graph, no timing)
 """
@@ -36,10 +37,10 @@ def time_us(fn, copies: int) -> float:
     return graph_time([functools.partial(fn, i) for i in range(copies)], min_calls=CALLS)
 
 
-def _calls(x, ws, act, extra, chain):
+def _calls(x, ws, act, extra, chain, max_regs):
     """A call of the GEMV on weight copy i (in the PDL chain or not)."""
     return lambda i: linear_small_m(x, ws[i][0], weight_scale=ws[i][1], act=act, chain=chain,
-                                    **extra)  # fmt: skip
+                                    max_regs=max_regs, **extra)  # fmt: skip
 
 
 def main() -> None:
@@ -57,6 +58,11 @@ def main() -> None:
         help="launch each GEMV outside the PDL chain (each waits for the last)",
     )
     parser.add_argument("--only", help="LAYOUT:SHAPE[,...]: time these only")
+    parser.add_argument(
+        "--max-regs",
+        type=int,
+        help="ptxas's register cap (0: its own choice; default: kernels.gemv.max_regs_for)",
+    )
     args = parser.parse_args()
     chain = not args.no_chain
     pick = {tuple(p.split(":")) for p in args.only.split(",")} if args.only else None
@@ -78,17 +84,18 @@ def main() -> None:
             sums = torch.rand(1, 256, device=dev)
             norm = RowNorm(sums, torch.ones(k, device=dev, dtype=dt), 1e-5)
 
-            plain = _calls(x, ws, act, {}, chain)
+            plain = _calls(x, ws, act, {}, chain, args.max_regs)
             part = {"norm": norm} if role == "norm" else {"residual": res}
-            fused = _calls(x, ws, act, part, chain)
+            fused = _calls(x, ws, act, part, chain, args.max_regs)
             if only:  # the profiler's launches: _linear_kernel 1-3 plain, 4-6 with the part
                 for f in (plain, plain, plain, fused, fused, fused):
                     f(0)
                 torch.cuda.synchronize()
                 return
             a, b, a2, b2 = (time_us(f, copies) for f in (plain, fused, plain, fused))
-            row = dict(layout=layout, shape=name, role=role, chain=chain, plain_us=min(a, a2),
-                       fused_us=min(b, b2), gb_s=nbytes / min(a, a2) / 1e3)  # fmt: skip
+            row = dict(layout=layout, shape=name, role=role, chain=chain, max_regs=args.max_regs,
+                       plain_us=min(a, a2), fused_us=min(b, b2),
+                       gb_s=nbytes / min(a, a2) / 1e3)  # fmt: skip
             rows.append(row)
             print(f"{layout:5} {name:8} {role:8} plain {row['plain_us']:7.2f} us  "
                   f"fused {row['fused_us']:7.2f} us  ({row['gb_s']:.0f} GB/s plain)")  # fmt: skip
