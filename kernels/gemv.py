@@ -60,7 +60,7 @@ the first projection's epilogue adds its output to the residual stream and store
 sum of the sum's squares by row (``[M, tiles]``); the second multiplies x by the norm's weight
 as it loads it and its sums by each row's 1 / rms, from those partial sums (loaded before its
 K loop, summed after it in one order in every program). So the norm's kernel and its round
-trip go. ``fuses_norms`` says where it pays (16-bit weights; measured there).
+trip go. ``fuses_norms`` says where it pays (16-bit and float8 weights; measured there).
 
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
 counters live in a per-device buffer that every launch leaves zeroed (the summing program resets
@@ -532,16 +532,18 @@ _FP8_MIN_SPLIT_K = 512  # K elements per split at least (4 tiles)
 
 W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCALE
 
-# The register cap handed to ptxas (the launch's ``maxnreg``) for float8 weights on one-warp
-# tiles. Left to itself, ptxas gave the (16, 256, 1 warp, 6) diag tile 128 registers and a K
-# loop of 184 SASS instructions, but any second store in its epilogue (the fold's tile sums
-# of squares, even one constant) made it 96 registers and 190 instructions with 7 NOPs
-# between dependent HMMAs: fp8 o_proj with the fold 8.40 -> 11.79 us, down 23.09 -> 32.29
-# (H100, 2026-11-28, Nsight Compute: 3.14 -> 4.99 cycles between issues, 1.48 -> 1.02 TB/s).
-# With a cap of 255 (one warp: no occupancy to lose) ptxas takes 147-148 registers and a
-# 174-instruction loop with no NOPs, with or without the fold's part (sm_90 compile reports,
-# Triton 3.6). Wider tiles keep ptxas's own choice (the 2-warp gate/up tile: 179 registers
-# either way; a cap of 128 spills it).
+# The register cap handed to ptxas (the launch's ``maxnreg``) for a float8 weight's one-warp
+# tile with the residual add in its epilogue (the norm fold's producers, o_proj and down).
+# Left to itself, ptxas gives the (16, 256, 1 warp, 6) diag tile 128 registers and a K loop of
+# 184 SASS instructions, but any second store in the epilogue (the tile sums of squares, even
+# one constant) made it pick 96 registers and 190 instructions with 7 NOPs between dependent
+# HMMAs (sm_90 compile reports, Triton 3.6): 3.14 -> 4.99 cycles between issues, 1.48 -> 1.02
+# TB/s (H100, Nsight Compute). Capped at 255 (one warp: no occupancy to lose) it takes 148
+# registers and 174 instructions, no NOPs. H100, 2026-11-28, M = 1, µs plain / with the add
+# (docs/benchmarks/gemv_norm_bench.py): o_proj 8.38 / 11.71 uncapped, 8.69 / 8.48 capped;
+# down 23.00 / 32.30, 23.16 / 23.18. The cap slows the plain tiles a little (qkv 10.91 ->
+# 11.19), so only the add takes it; wider tiles keep ptxas's choice (the 2-warp gate/up tile:
+# 179 registers either way; a cap of 128 spills it).
 _FP8_ONE_WARP_MAX_REGS = 255
 
 
@@ -595,9 +597,11 @@ def gemv_config(
     return block_n, block_k, split, warps, stages, diag
 
 
-def max_regs_for(num_warps: int, w_scale: int) -> int:
-    """The ``maxnreg`` a tile launches with (0: ptxas's own choice)."""
-    return _FP8_ONE_WARP_MAX_REGS if w_scale != W_SCALE_NONE and num_warps == 1 else 0
+def max_regs_for(num_warps: int, w_scale: int, add_res: bool) -> int:
+    """The ``maxnreg`` a tile launches with (0: ptxas's own choice); ``add_res``: with the
+    residual add in its epilogue."""
+    one_warp_fp8 = w_scale != W_SCALE_NONE and num_warps == 1
+    return _FP8_ONE_WARP_MAX_REGS if one_warp_fp8 and add_res else 0
 
 
 def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
@@ -771,7 +775,7 @@ def linear_small_m(
     if residual is not None:
         sumsq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
     if max_regs is None:
-        max_regs = max_regs_for(num_warps, w_scale)
+        max_regs = max_regs_for(num_warps, w_scale, residual is not None)
     launch = {"maxnreg": max_regs} if max_regs else {}
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight,
@@ -874,14 +878,15 @@ def linear(
 def fuses_norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the norm between two projections of ``weight``'s dtype should be folded into
     their GEMVs (``linear_add``, then ``linear(norm=)``) for activations like ``x`` [T, K]:
-    CUDA, decode batch sizes, 16-bit weights. H100, 2026-11-28 (docs/benchmarks/fp8.md,
-    session 25), M = 1, Llama-3.1-8B shapes, µs without / with the fold's part: bf16 o_proj
-    12.80 / 13.06, down 39.72 / 40.07, qkv 18.29 / 18.68, gate_up 76.09 / 76.32 (bench decode:
-    1.0-1.4% faster a step at 4K-128K); fp8 per channel qkv 10.88 / 11.03, gate_up 42.36 /
-    42.89, but o_proj 8.28 / 11.69 and down 22.25 / 32.27 (the same K loop's SASS; 8-10% slower
-    a step): float8 weights keep the norm's kernel."""
+    CUDA, decode batch sizes, 16-bit or float8 e4m3 weights. H100, 2026-11-28
+    (docs/benchmarks/fp8.md, sessions 25 and 27), M = 1, Llama-3.1-8B shapes, µs without / with
+    the fold's part: bf16 o_proj 12.80 / 13.06, down 39.72 / 40.07, qkv 18.29 / 18.68, gate_up
+    76.09 / 76.32 (bench decode: 1.0-1.4% faster a step at 4K-128K); fp8 per channel qkv 10.91
+    / 11.10, gate_up 44.35 / 44.79, o_proj 8.38 / 8.48 and down 23.00 / 23.18 (the last two
+    with ``max_regs_for``'s cap; 11.71 and 32.30 without it), bench decode over fp8 weights and
+    cache 0.8-2% faster a step at 4K / 32K, level at 128K."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
-            and weight.dtype in (torch.bfloat16, torch.float16))  # fmt: skip
+            and weight.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn))  # fmt: skip
 
 
 def linear_add(

@@ -255,12 +255,13 @@ def test_cuda_graph_replay(m):
 
 
 @pytest.mark.gpu
-def test_the_fold_takes_16_bit_weights_at_decode_sizes():
-    """``fuses_norms``: bf16/fp16 weights at 1..16 rows on CUDA; float8 weights (their
-    producing GEMV measured slower with the add) and prefill sizes keep the norm's kernel."""
+def test_the_fold_takes_16_bit_and_fp8_weights_at_decode_sizes():
+    """``fuses_norms``: bf16/fp16/e4m3 weights at 1..16 rows on CUDA; float32 weights and
+    prefill sizes keep the norm's kernel."""
     w = torch.empty(8, 64, device=DEVICE, dtype=torch.bfloat16)
     x = torch.empty(16, 64, device=DEVICE, dtype=torch.bfloat16)
     assert fuses_norms(x, w) and fuses_norms(x[:1], w.half())
-    assert not fuses_norms(x, w.to(torch.float8_e4m3fn))
+    assert fuses_norms(x, w.to(torch.float8_e4m3fn))
+    assert not fuses_norms(x.float(), w.float())
     assert not fuses_norms(torch.empty(17, 64, device=DEVICE, dtype=torch.bfloat16), w)
     assert not fuses_norms(x.cpu(), w)
