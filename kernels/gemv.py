@@ -60,7 +60,8 @@ the first projection's epilogue adds its output to the residual stream and store
 sum of the sum's squares by row (``[M, tiles]``); the second multiplies x by the norm's weight
 as it loads it and its sums by each row's 1 / rms, from those partial sums (loaded before its
 K loop, summed after it in one order in every program). So the norm's kernel and its round
-trip go. ``fuses_norms`` says where it pays (16-bit and float8 weights; measured there).
+trip go. ``fuses_norms`` says where it pays (16-bit and float8 weights; measured there;
+float8 producers with ptxas's register cap, ``max_regs_for``).
 
 CUDA graphs: the grid depends only on the shapes; the partials come from ``torch.empty``; the
 counters live in a per-device buffer that every launch leaves zeroed (the summing program resets

@@ -202,7 +202,7 @@ class TritonBackend(AttentionBackend):
         super().__init__()
 
     def fuses_norms(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Where the GEMVs stream 16-bit weights at decode batch sizes on CUDA (measured:
+        """Where the GEMVs stream 16-bit or float8 weights at decode batch sizes on CUDA (measured:
         ``kernels.gemv.fuses_norms``)."""
         from kernels.gemv import fuses_norms
 

@@ -15,10 +15,11 @@ MLP) apply to a sublayer's output before that add, in the same kernel (``norm_ad
 so a Gemma layer returns its MLP output un-normed and the next layer's input norm (or the
 final norm) applies the layer's ``post_feedforward_layernorm`` with its own. Where the
 backend folds the norms into the projections (``AttentionBackend.fuses_norms``: decode sizes,
-16-bit weights, one rank, Llama's norm), the layers run ``forward_deferred`` instead: o_proj
-and down_proj add their outputs to the stream themselves and leave its rows' sums of squares,
-and qkv_proj and gate/up norm their input as they read it (``kernels.gemv``). The small
-operations (norms, RoPE with the KV store, the gated activations) come from the attention
+16-bit or float8 weights, one rank, Llama's norm), the layers run ``forward_deferred``
+instead: o_proj and down_proj add their outputs to the stream themselves and leave its rows'
+sums of squares, and qkv_proj and gate/up norm their input as they read it
+(``kernels.gemv``). The small operations (norms, RoPE with the KV store, the gated
+activations) come from the attention
 backend (``flashserve.models.attention.AttentionBackend``): the torch one rounds exactly as
 Hugging Face does; the Triton one fuses them.
 """
