@@ -884,8 +884,8 @@ def fuses_norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
     the fold's part: bf16 o_proj 12.80 / 13.06, down 39.72 / 40.07, qkv 18.29 / 18.68, gate_up
     76.09 / 76.32 (bench decode: 1.0-1.4% faster a step at 4K-128K); fp8 per channel qkv 10.91
     / 11.10, gate_up 44.35 / 44.79, o_proj 8.38 / 8.48 and down 23.00 / 23.18 (the last two
-    with ``max_regs_for``'s cap; 11.71 and 32.30 without it), bench decode over fp8 weights and
-    cache 0.8-2% faster a step at 4K / 32K, level at 128K."""
+    with ``max_regs_for``'s cap; 11.71 and 32.30 without it); bench decode over fp8 weights and
+    an fp8 cache 1.1 / 1.5 / 1.1% faster a step at 4K / 32K / 128K."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
             and weight.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn))  # fmt: skip
 
