@@ -193,7 +193,6 @@ def gemv_kernel(
     diag: bool = False,
     norm: bool = False,
     residual: bool = False,
-    launched: bool = False,
 ):
     """``_linear_kernel`` for an [m, K] x [N, K]^T product, unsplit (``split``: K split),
     K a multiple of BLOCK_K; ``w``: the weight's Triton type (``fp8e4nv`` with ``w_scale`` 1
@@ -201,9 +200,9 @@ def gemv_kernel(
     epilogue (1 SiLU, 2 GELU-tanh, libdevice's tanh); ``fold``: the output sent to the peer
     rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``);
     ``norm``: x RMSNormed as it loads (``norm=``); ``residual``: out added to the stream, its
-    sums of squares stored (``residual=``); ``launched``: as ``linear_small_m`` launches it, M
-    = 1 a constant (Triton specializes an int argument of 1) and ptxas's register cap from
-    ``kernels.gemv.max_regs_for``."""
+    sums of squares stored (``residual=``). Compiled as ``linear_small_m`` launches it: M = 1
+    and an unsplit grid's one split constants (Triton specializes an int argument of 1),
+    ptxas's register cap from ``kernels.gemv.max_regs_for``."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
             "Part": "*fp32", "Counters": "*i32"}  # fmt: skip
     if fold:
@@ -230,11 +229,11 @@ def gemv_kernel(
                   F16_DOT=fp8 and x != "fp32", DIAG=diag, GATED=gated, LIBDEVICE=True,
                   FOLD=fold,
                   **unfolded)  # fmt: skip
-    options = {}
-    if launched:
-        if m == 1:
-            consts["M"] = 1
-        options["maxnreg"] = gemv.max_regs_for(tile[2], w_scale, residual) or None
+    if m == 1:
+        consts["M"] = 1
+    if not split:
+        consts["num_splits"] = 1
+    options = {"maxnreg": gemv.max_regs_for(tile[2], w_scale, residual) or None}
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3],
                     **options)  # fmt: skip
 
@@ -571,9 +570,9 @@ ROWNORM_VARIANTS = {
                                                            diag=True, norm=True),
     "rownorm-norm-gemv-bf16-m8": lambda: gemv_summary("bf16", m=8, tile=(64, 256, 4, 3),
                                                       norm=True),
-    # as launched (M = 1 a constant): ptxas left alone gave this one 96 registers and NOPs
+    # ptxas left alone gave this one 96 registers and NOPs (as launched: M = 1 a constant)
     "rownorm-residual-gemv-fp8-channel-m1-diag": lambda: gemv_summary(
-        "fp8e4nv", tile=_FP8_NARROW, w_scale=1, diag=True, residual=True, launched=True),
+        "fp8e4nv", tile=_FP8_NARROW, w_scale=1, diag=True, residual=True),
 }  # fmt: skip
 
 
