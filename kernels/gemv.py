@@ -777,7 +777,8 @@ def linear_small_m(
         sumsq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
     if max_regs is None:
         max_regs = max_regs_for(num_warps, w_scale, residual is not None)
-    launch = {"maxnreg": max_regs} if max_regs else {}
+    # ptxas's option: ROCm's Triton has no maxnreg (it refuses options it does not know)
+    launch = {"maxnreg": max_regs} if max_regs and torch.version.hip is None else {}
     _linear_kernel[(tiles_n, splits)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, part, counters,
