@@ -92,13 +92,13 @@ def test_seeded_sampling_is_batch_invariant(llm):
     mixed = llm.generate(prompts, [params] + [others] * 4)[0]
     assert alone.token_ids == mixed.token_ids
     assert alone.seed == seed
-    other_seed = llm.generate(
-        [prompts[0]],
-        SamplingParams(
-            max_new_tokens=10, temperature=0.9, top_p=0.95, seed=seed + 1, ignore_eos=True
-        ),
-    )[0]
-    assert other_seed.token_ids != alone.token_ids or len(set(alone.token_ids)) == 1
+    # the seed decides the draw: three seeds give more than one sample. At temperature 1.5,
+    # three equal 10-token samples are vanishingly rare; at 0.9 with top-p 0.95 two seeds drew
+    # the same ten tokens (FLASHSERVE_TEST_SEED=1676303011)
+    hot = [SamplingParams(max_new_tokens=10, temperature=1.5, seed=seed + i, ignore_eos=True)
+           for i in range(3)]  # fmt: skip
+    samples = [c.token_ids for c in llm.generate([prompts[0]] * 3, hot)]
+    assert len({tuple(t) for t in samples}) > 1, samples
 
 
 def test_stop_strings_and_stop_ids(llm):
