@@ -233,9 +233,8 @@ def gemv_kernel(
         consts["M"] = 1
     if not split:
         consts["num_splits"] = 1
-    options = {"maxnreg": gemv.max_regs_for(tile[2], w_scale, residual) or None}
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3],
-                    **options)  # fmt: skip
+                    maxnreg=gemv.max_regs_for(tile[2], w_scale, residual) or None)  # fmt: skip
 
 
 def norm_kernel(dt: str = "bf16", h: int = 4096, fold: bool = False, post: bool = False):

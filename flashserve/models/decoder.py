@@ -19,9 +19,8 @@ backend folds the norms into the projections (``AttentionBackend.fuses_norms``: 
 instead: o_proj and down_proj add their outputs to the stream themselves and leave its rows'
 sums of squares, and qkv_proj and gate/up norm their input as they read it
 (``kernels.gemv``). The small operations (norms, RoPE with the KV store, the gated
-activations) come from the attention
-backend (``flashserve.models.attention.AttentionBackend``): the torch one rounds exactly as
-Hugging Face does; the Triton one fuses them.
+activations) come from the attention backend (``flashserve.models.attention.AttentionBackend``):
+the torch one rounds exactly as Hugging Face does; the Triton one fuses them.
 """
 
 from __future__ import annotations
