@@ -210,6 +210,86 @@ def test_the_gemv_takes_the_slot_and_tag_of_its_call():
         assert f0.calls.item() == call * UNIT
 
 
+def peer_words(y: torch.Tensor, tag: int) -> torch.Tensor:
+    """``y``'s values as the peer's GEMV sends them: int64 words tagged ``tag``."""
+    mask = 0xFFFFFFFF if y.dtype == torch.float32 else 0xFFFF
+    bits = y.view(torch.int32 if y.dtype == torch.float32 else torch.int16).to(torch.int64)
+    return (bits & mask) | (tag << 32)
+
+
+def summed_call(folds, call, m, n, k, dtype, config=None):
+    """Both ranks' GEMVs of one call that add the peer's part themselves (``fold`` and
+    ``residual``). The interpreter runs one program at a time, so rank 0's would wait for
+    ever for rank 1's words: the test first stores them where rank 1's GEMV will, from the
+    unfolded GEMV's output (the same bits), then runs rank 0's and rank 1's."""
+    x = [torch.randn(m, k, device=DEVICE).to(dtype) for _ in range(2)]
+    w = [(torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype) for _ in range(2)]
+    res = torch.randn(m, n, device=DEVICE).to(dtype)
+    outs = [linear_small_m(x[r], w[r], config=config) for r in range(2)]
+    folds[0].recv[call % 2, :m] = peer_words(outs[1], call_tag(folds[0].calls.item()))
+    got = [linear_small_m(x[r], w[r], config=config, fold=folds[r], residual=res)
+           for r in range(2)]  # fmt: skip
+    ref = res.double() + sum(x[r].double() @ w[r].double().T for r in range(2))
+    allreduced = (res.float() + (outs[0].float() + outs[1].float()).to(dtype).float()).to(dtype)
+    for r in range(2):
+        h, sumsq = got[r]
+        where = f"call {call}, rank {r}"
+        assert torch.equal(h, allreduced), f"{where}: not the all-reduce's sum plus residual"
+        assert_close(h, ref, TOL[dtype], f"{where}: residual")
+        assert_close(sumsq.sum(1), h.float().square().sum(1), 1e-5, f"{where}: sums of squares")
+        slot = folds[1 - r].recv[call % 2, :m]
+        assert torch.equal(words_values(slot, dtype), outs[r]), f"{where}: slot {call % 2}"
+        assert (words_tags(slot) == call + 1).all(), f"{where}: tags of slot {call % 2}"
+        assert folds[r].calls.item() == (call + 1) * UNIT, where
+        assert folds[r].failed() == 0, where
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k", [(1, 72, 40), (3, 64, 96), (16, 100, 56), (5, 17, 33)])
+def test_the_gemv_adds_the_peer_s_part_where_no_norm_follows(dtype, m, n, k):
+    """``linear_small_m(fold=, residual=)`` (the norms folded into the GEMVs, two ranks):
+    each rank's output is exactly an all-reduce's sum plus the residual (the float64
+    reference within rounding), with its tiles' sums of squares; calls of this form and of
+    the norm's alternate over k = 0..5 (both advance the counter alike), split K among them."""
+    folds = fold_pair(16, n, dtype)
+    configs = [None, (16, 16, 3, 4, 1)]
+    for call in range(6):
+        if call % 2:
+            got, want, unfolded, outs = one_call(folds, m, n, k, dtype)
+            check_call(folds, call, got, want, unfolded, outs, dtype)
+        else:
+            summed_call(folds, call, m, n, k, dtype, configs[call // 2 % 2])
+
+
+def test_a_gemv_waits_for_every_word_of_its_tile():
+    """What the summing GEMV waits for: each word of its tiles tagged with call k. With the
+    peer's words of call 2 not there (the slot holds call 0's) or one short, it spins to its
+    limit and reports that tag; the counter advances one call either way."""
+    dtype = torch.float32
+    folds = fold_pair(16, 32, dtype, spin_limit=3)
+    f0 = folds[0]
+    x = torch.randn(2, 16, device=DEVICE)
+    w = torch.randn(32, 16, device=DEVICE)
+    res = torch.randn(2, 32, device=DEVICE)
+    peer = torch.randn(2, 32, device=DEVICE)
+    stale = peer_words(peer, 1)  # call 0's tag, in slot 2 % 2
+    short = peer_words(peer, 3)
+    short[1, 31] = stale[1, 31]  # the last word of the second row not yet there
+    for words in (stale, short):
+        f0.calls.fill_(2 * UNIT)
+        f0.status.zero_()
+        f0.recv[0, :2] = words
+        linear_small_m(x, w, fold=f0, residual=res)
+        assert f0.failed() == 3
+        assert f0.calls.item() == 3 * UNIT
+    f0.calls.fill_(2 * UNIT)
+    f0.status.zero_()
+    f0.recv[0, :2] = peer_words(peer, 3)
+    h, _ = linear_small_m(x, w, fold=f0, residual=res)
+    assert f0.failed() == 0 and f0.calls.item() == 3 * UNIT
+    assert torch.equal(h, res + (linear_small_m(x, w) + peer))
+
+
 def test_tags_wrap_without_zero():
     """The tag is k mod (2^31 - 1) + 1: never 0 (a zeroed slot's), and calls k and k + 2 (one
     slot's consecutive users) never share one."""
