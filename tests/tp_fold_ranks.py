@@ -38,7 +38,7 @@ LLAMA, GEMMA, SUM = "llama", "gemma", "sum"  # the forms
 CALLS = [(1, 4096, 2048, None, LLAMA), (5, 4096, 7168, None, SUM), (16, 3840, 1920, None, GEMMA),
          (1, 4096, 2048, (4, 1024, 4, 4, 3), LLAMA), (3, 3840, 7680, None, GEMMA),
          (1, 4096, 7168, None, SUM), (8, 4096, 2048, (32, 256, 2, 4, 4), GEMMA),
-         (1, 4096, 2048, None, SUM), (2, 4096, 7168, (16, 512, 4, 4, 3), SUM)]  # fmt: skip
+         (1, 4096, 2048, None, SUM), (2, 4096, 7168, (8, 512, 4, 4, 3), SUM)]  # fmt: skip
 HELD = {1, 4, 5, 7}  # calls before whose GEMV rank 1 sleeps
 
 
