@@ -15,8 +15,7 @@ its own memory it holds ``calls [1]`` int64, which its norm programs advance by 
 call (each program adds its share, ``_contribution``; the old value gives the call number,
 ``old // UNIT``), and ``status [1]`` int64: 0, or the tag a norm gave up waiting for
 (``spin_limit`` reads). The GEMV is handed ``p``'s ``recv`` as ``send`` (mapped on ``r``) and
-reads ``calls``; the norm reads its own ``recv`` and bumps ``calls`` (or the GEMV does both:
-"The sum in the GEMV" below).
+reads ``calls``; the norm reads its own ``recv`` and bumps ``calls``.
 
 Why call ``k`` reads neither stale nor half-written sums, with two slots and no reset between
 CUDA-graph replays:
@@ -36,20 +35,6 @@ CUDA-graph replays:
 3. Both ranks run the same sequence of folded calls (the same steps, each with the same
    layers), so their ``k`` agree; steps that do not fold (prefill sizes, NCCL) touch neither
    slots nor counters. The counter is int64: at ``UNIT = 2^24`` it lasts 2^39 calls.
-
-**The sum in the GEMV** (``linear_small_m(fold=, residual=)``: where the norm after it is
-folded into the next GEMV, ``kernels.gemv``'s module doc): no norm kernel is left, so each
-program of the row-parallel GEMV does the norm's part for its own tile: it advances the
-counter itself (``fold_call(ADVANCE)``, every program of the grid reading the same ``k`` as
-above), stores its values into the peer's slot, then waits for the peer's words of the same
-places in its own slot (``fold_wait``), adds them, then the residual. Step 2 holds with the
-GEMV of call ``k + 1`` in place of the norm: ``p``'s GEMV of call ``k + 2`` runs after its
-GEMV of call ``k + 1`` has ended (stream order), whose programs each waited for ``r``'s words
-of call ``k + 1``, stored after ``r``'s GEMV of call ``k`` (the reader) had ended. A program
-waits only after its own words are sent, and on both ranks the GPU starts a grid's programs
-in order, so the lowest tile not yet summed on either rank always has its peer's program
-running or done: no rank waits for a program that cannot start. The two forms take and
-advance the counter alike, so a step may hold both.
 
 A rank held back (its GEMV late) only makes the other's norm spin longer. ``spin_limit`` bounds
 the spin (the host sets it far beyond any step); a norm that reaches it writes the tag it
@@ -156,24 +141,10 @@ def _contribution(n):
 
 
 @triton.jit
-def fold_advance(Calls):
-    """Advance the rank's counter by this program's share of ``UNIT`` (``_contribution``) and
-    return the call ``k`` the old value gives: every program of call ``k``'s grid reads ``k``,
-    whatever the order of their adds (the shares reach ``UNIT`` only with the last)."""
-    n = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    return tl.atomic_add(Calls, _contribution(n), sem="relaxed", scope="gpu") // _UNIT
-
-
-@triton.jit
-def fold_call(Calls, ADVANCE: tl.constexpr = False):
+def fold_call(Calls):
     """The GEMV's call ``k`` from the rank's counter (read past L1: the previous norm advanced
-    it with atomics): its slot ``k % 2`` and its words' tag. ``ADVANCE`` (a GEMV that adds the
-    peer's part itself, no norm after it): advances the counter as a norm does
-    (``fold_advance``)."""
-    if ADVANCE:
-        k = fold_advance(Calls)
-    else:
-        k = tl.load(Calls, cache_modifier=".cg") // _UNIT
+    it with atomics): its slot ``k % 2`` and its words' tag."""
+    k = tl.load(Calls, cache_modifier=".cg") // _UNIT
     return k % 2, k % _TAG_MOD + 1
 
 
@@ -188,22 +159,21 @@ def fold_send(ptrs, y, mask, tag):
 
 
 @triton.jit
-def _missing(words, mask, tag):
-    """How many words under ``mask`` (any shape) do not carry ``tag``."""
-    bad = (((words >> 32) != tag) & mask).to(tl.int32)
-    return tl.sum(tl.reshape(bad, [bad.numel]), 0)
-
-
-@triton.jit
-def fold_wait(ptrs, mask, tag, Status, spin_limit, DTYPE: tl.constexpr):
-    """Re-read (volatile) the words at ``ptrs`` until every one under ``mask`` carries ``tag``,
-    or ``spin_limit`` reads (then ``status`` gets the tag); their values, in ``DTYPE``."""
+def fold_recv(Recv, stride_recv, offs, mask, Calls, Status, spin_limit, DTYPE: tl.constexpr):
+    """A norm program's half of call ``k``: advance the rank's counter by its share (the old
+    value gives ``k``), re-read (volatile) its row's words ``Recv + k % 2 * stride_recv +
+    offs`` until every one under ``mask`` carries the tag of ``k``, or ``spin_limit`` reads
+    (then ``status`` gets the tag); the values, in ``DTYPE``."""
+    n = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    k = tl.atomic_add(Calls, _contribution(n), sem="relaxed", scope="gpu") // _UNIT
+    tag = k % _TAG_MOD + 1
+    ptrs = Recv + (k % 2) * stride_recv + offs
     words = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    missing = _missing(words, mask, tag)
+    missing = tl.sum((((words >> 32) != tag) & mask).to(tl.int32), axis=0)
     spins = tl.cast(0, tl.int64)
     while (missing > 0) & (spins < spin_limit):
         words = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        missing = _missing(words, mask, tag)
+        missing = tl.sum((((words >> 32) != tag) & mask).to(tl.int32), axis=0)
         spins += 1
     if missing > 0:
         tl.store(Status, tag)
@@ -213,13 +183,3 @@ def fold_wait(ptrs, mask, tag, Status, spin_limit, DTYPE: tl.constexpr):
     else:
         values = low.to(tl.int16).to(DTYPE, bitcast=True)
     return values
-
-
-@triton.jit
-def fold_recv(Recv, stride_recv, offs, mask, Calls, Status, spin_limit, DTYPE: tl.constexpr):
-    """A norm program's half of call ``k``: advance the rank's counter (``fold_advance``: the
-    old value gives ``k``), then wait for its row's words ``Recv + k % 2 * stride_recv + offs``
-    to carry the tag of ``k`` (``fold_wait``); the values, in ``DTYPE``."""
-    k = fold_advance(Calls)
-    return fold_wait(Recv + (k % 2) * stride_recv + offs, mask, k % _TAG_MOD + 1, Status,
-                     spin_limit, DTYPE)  # fmt: skip

@@ -79,7 +79,7 @@ import triton.language as tl
 from kernels.activation import gate_act, gelu_tanh_and_mul, silu_and_mul
 from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
-from kernels.fold import AllReduceFold, fold_call, fold_send, fold_wait
+from kernels.fold import AllReduceFold, fold_call, fold_send
 from kernels.fp8 import fp8_linear
 from kernels.norm import rms_norm
 from kernels.reference import RowNorm
@@ -95,19 +95,15 @@ _GATED_GELU_TANH = tl.constexpr(GATED_ACTS["gelu_tanh"])  # a jit function reads
 def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
                stride_om, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr,
                LIBDEVICE: tl.constexpr, FOLD: tl.constexpr, Res=None, stride_rm=0, SumSq=None,
-               tile=0, stride_sq=0, ADD_RES: tl.constexpr = False, Recv=None, Status=None,
-               spin_limit=0, FOLD_SUM: tl.constexpr = False):  # fmt: skip
+               tile=0, stride_sq=0, ADD_RES: tl.constexpr = False):  # fmt: skip
     """acc [BM, BN] fp32, column j the sum of weight row ``offs_n[j]`` (valid where
     ``n_mask``): ``y = acc (* scale[row]) (+ bias[row])``, then out[m, col0 + j] = y[m, j]
     (GATED 0), or with GATED the act of each even column times the odd one after it,
     ``act(y[m, 2j]) * y[m, 2j + 1]`` (SiLU: 1, GELU-tanh: 2), in fp32; for m < M and output
     columns < n_out. FOLD: the same values into ``Send`` too, as words tagged ``tag`` (the
-    peer's slot, rows of n_out: ``kernels.fold``). FOLD_SUM (with FOLD): then wait for the
-    peer's values of the same places in ``Recv`` (this rank's slot) and add them, rounded as
-    an all-reduce rounds (``y`` is then the two ranks' sum; ``Status``, ``spin_limit``:
-    ``kernels.fold.fold_wait``'s). ADD_RES: y rounded to out's dtype, then ``out = res + y``
-    rounded again (the residual add), and the tile's sum of ``out[m]**2`` over its columns,
-    float32, stored at ``SumSq + tile + m * stride_sq``."""
+    peer's slot, rows of n_out: ``kernels.fold``). ADD_RES: y rounded to out's dtype, then
+    ``out = res + y`` rounded again (the residual add), and the tile's sum of ``out[m]**2``
+    over its columns, float32, stored at ``SumSq + tile + m * stride_sq``."""
     if ROW_SCALE:
         acc *= tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -119,18 +115,14 @@ def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M
     ptrs = Out + offs_m[:, None] * stride_om + offs_o[None, :]
     mask = (offs_m < M)[:, None] & (offs_o < n_out)[None, :]
     y = acc.to(Out.dtype.element_ty)
-    if FOLD:  # sent first: the peer may be waiting for these words
-        words = offs_m[:, None] * n_out + offs_o[None, :]
-        fold_send(Send + words, y, mask, tag)
-        if FOLD_SUM:  # the all-reduce, as the norm's fold_recv sums it
-            peer = fold_wait(Recv + words, mask, tag, Status, spin_limit, Out.dtype.element_ty)
-            y = (y.to(tl.float32) + peer.to(tl.float32)).to(Out.dtype.element_ty)
     if ADD_RES:  # as kernels.reference.add_rms_norm adds: both rounded, summed, rounded
         r = tl.load(Res + offs_m[:, None] * stride_rm + offs_o[None, :], mask=mask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
         yf = tl.where(mask, y.to(tl.float32), 0.0)
         tl.store(SumSq + tile + offs_m * stride_sq, tl.sum(yf * yf, 1), mask=offs_m < M)
     tl.store(ptrs, y, mask=mask)
+    if FOLD:
+        fold_send(Send + offs_m[:, None] * n_out + offs_o[None, :], y, mask, tag)
 
 
 @triton.jit
@@ -303,10 +295,6 @@ def _linear_kernel(
     Calls=None,  # [1] int64, this rank's folded calls (FOLD)
     stride_send=0,  # words of one slot of Send (FOLD)
     FOLD: tl.constexpr = False,  # the output to the peer's slot too, as tagged words
-    Recv=None,  # [2, R, N] int64 words, this rank's slots (FOLD_SUM)
-    Status=None,  # [1] int64, the tag a program gave up on (FOLD_SUM)
-    spin_limit=0,  # reads of a tile's words before giving up (FOLD_SUM)
-    FOLD_SUM: tl.constexpr = False,  # with FOLD: the peer's part added here (counter advanced)
     Res=None,  # [M, N] the residual stream (ADD_RES)
     SumSq=None,  # [M, cdiv(N, BLOCK_N)] float32: each tile's sum of out**2 by row (ADD_RES)
     stride_rm=0,
@@ -322,11 +310,9 @@ def _linear_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     tag = 0
-    if FOLD:  # this call's slot of the peer's buffer (and FOLD_SUM: of this rank's), its tag
-        slot, tag = fold_call(Calls, FOLD_SUM)
+    if FOLD:  # this call's slot of the peer's buffer, its words' tag
+        slot, tag = fold_call(Calls)
         Send += slot * stride_send
-        if FOLD_SUM:
-            Recv += slot * stride_send  # (the same strides: AllReduceFold)
     offs_m = tl.arange(0, BLOCK_M)
     if GATED:  # W is [gate; up], N = 2I rows: tile column c is gate row i (c even) or up row
         half = N // 2  # I + i (c odd), i = pid_n * BLOCK_N / 2 + c // 2, an output column
@@ -449,13 +435,11 @@ def _linear_kernel(
                 total += tl.sum(tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg"), 0)
             _store_out(total, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M,
                        n_out, stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD, Res,
-                       stride_rm, SumSq, pid_n, tl.num_programs(0), ADD_RES, Recv, Status,
-                       spin_limit, FOLD_SUM)  # fmt: skip
+                       stride_rm, SumSq, pid_n, tl.num_programs(0), ADD_RES)  # fmt: skip
     else:
         _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
                    stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD, Res, stride_rm,
-                   SumSq, pid_n, tl.num_programs(0), ADD_RES, Recv, Status, spin_limit,
-                   FOLD_SUM)  # fmt: skip
+                   SumSq, pid_n, tl.num_programs(0), ADD_RES)  # fmt: skip
 
 
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
@@ -560,10 +544,8 @@ W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCA
 # (docs/benchmarks/gemv_norm_bench.py): o_proj 8.38 / 11.71 uncapped, 8.69 / 8.48 capped;
 # down 23.00 / 32.30, 23.16 / 23.18. The cap slows the plain tiles a little (qkv 10.91 ->
 # 11.19), so only the add takes it; wider tiles keep ptxas's choice (the 2-warp gate/up tile:
-# 179 registers either way; a cap of 128 spills it). The two ranks' sum in the epilogue
-# (FOLD_SUM) did the same to the bf16 one-warp diag tile at M = 8 (96 -> 95 registers, 108 ->
-# 114 instructions in the K loop); capped: 144 and 108, its twin's.
-_ONE_WARP_MAX_REGS = 255
+# 179 registers either way; a cap of 128 spills it).
+_FP8_ONE_WARP_MAX_REGS = 255
 
 
 def _fp8_config(
@@ -616,11 +598,11 @@ def gemv_config(
     return block_n, block_k, split, warps, stages, diag
 
 
-def max_regs_for(num_warps: int, w_scale: int, add_res: bool, fold_sum: bool = False) -> int:
+def max_regs_for(num_warps: int, w_scale: int, add_res: bool) -> int:
     """The ``maxnreg`` a tile launches with (0: ptxas's own choice); ``add_res``: with the
-    residual add in its epilogue; ``fold_sum``: the two ranks' sum before it (FOLD_SUM)."""
-    capped = add_res and num_warps == 1 and (w_scale != W_SCALE_NONE or fold_sum)
-    return _ONE_WARP_MAX_REGS if capped else 0
+    residual add in its epilogue."""
+    one_warp_fp8 = w_scale != W_SCALE_NONE and num_warps == 1
+    return _FP8_ONE_WARP_MAX_REGS if one_warp_fp8 and add_res else 0
 
 
 def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
@@ -719,9 +701,7 @@ def linear_small_m(
     ``fold``: the output is this rank's partial sum of a row-parallel layer under tensor
     parallelism on two ranks; it is also stored into the peer's slot of this call as words
     tagged with the call (``kernels.fold``): the norm after it adds the two. Not with
-    ``act``. With ``residual`` too, each program adds the two itself: it waits for the peer's
-    words of its own tile, adds them (rounded as an all-reduce rounds), then the residual,
-    and no norm after it touches the slots.
+    ``act``.
 
     ``diag`` (M <= 8, BLOCK_K >= 128; any weight): the dot takes x's rows (M rounded up to a
     power of two) as 8 / M chunks each, side by side, against the weight tile viewed as 8 / M
@@ -732,8 +712,8 @@ def linear_small_m(
     ``max_regs``: the register cap handed to ptxas (``maxnreg``; 0 leaves the count to it);
     None takes ``max_regs_for`` the tile and weight.
 
-    ``residual`` (a sublayer's last projection; not with ``act``): ``out = residual +
-    product``, both rounded to x's dtype first (``kernels.reference.add_rms_norm``'s
+    ``residual`` (a sublayer's last projection; not with ``act`` or ``fold``): ``out =
+    residual + product``, both rounded to x's dtype first (``kernels.reference.add_rms_norm``'s
     sum), returned with ``sumsq`` [M, P] float32, each of the P output tiles' sum of ``out**2``
     by row: what the norm after the add needs, so that the GEMV reading the normed rows can
     apply it (``norm``) and the norm's own kernel goes. ``norm`` (``RowNorm``): x is the
@@ -759,8 +739,8 @@ def linear_small_m(
             raise ValueError("fold takes a row-parallel layer's output, not a gated one")
         fold.check(out, "the GEMV's output")
     if residual is not None:
-        if gated:
-            raise ValueError("residual takes a projection's own output: not with act")
+        if gated or fold is not None:
+            raise ValueError("residual takes a projection's own output: not with act or fold")
         if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
             raise ValueError(f"residual must be {x.dtype} [{m}, {n}] with contiguous rows; got "
                              f"{residual.dtype} {tuple(residual.shape)}")  # fmt: skip
@@ -796,8 +776,7 @@ def linear_small_m(
     if residual is not None:
         sumsq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
     if max_regs is None:
-        max_regs = max_regs_for(num_warps, w_scale, residual is not None,
-                                residual is not None and fold is not None)  # fmt: skip
+        max_regs = max_regs_for(num_warps, w_scale, residual is not None)
     # ptxas's option: ROCm's Triton has no maxnreg (it refuses options it does not know)
     launch = {"maxnreg": max_regs} if max_regs and torch.version.hip is None else {}
     _linear_kernel[(tiles_n, splits)](
@@ -812,8 +791,7 @@ def linear_small_m(
         F16_DOT=fp8 and x.dtype != torch.float32, DIAG=diag, GATED=gated,
         LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
         **launch,
-        **_fold_args(fold, residual is not None), **_residual_args(residual, sumsq),
-        **_norm_args(norm),
+        **_fold_args(fold), **_residual_args(residual, sumsq), **_norm_args(norm),
     )  # fmt: skip
     return out if residual is None else (out, sumsq)
 
@@ -834,16 +812,11 @@ def _norm_args(norm: RowNorm | None) -> dict:
                 NORM_PARTS=triton.next_power_of_2(parts), NORM_X=True)  # fmt: skip
 
 
-def _fold_args(fold: AllReduceFold | None, summed: bool) -> dict:
-    """_linear_kernel's FOLD arguments: the peer's slots, this rank's counter; ``summed``
-    (FOLD_SUM): this rank's slots and status too."""
+def _fold_args(fold: AllReduceFold | None) -> dict:
+    """_linear_kernel's FOLD arguments: the peer's slots, this rank's counter."""
     if fold is None:
         return dict(Send=None, Calls=None, stride_send=0, FOLD=False)
-    args = dict(Send=fold.send, Calls=fold.calls, stride_send=fold.send.stride(0), FOLD=True)
-    if summed:
-        args.update(Recv=fold.recv, Status=fold.status, spin_limit=fold.spin_limit,
-                    FOLD_SUM=True)  # fmt: skip
-    return args
+    return dict(Send=fold.send, Calls=fold.calls, stride_send=fold.send.stride(0), FOLD=True)
 
 
 def _gated(act: str | None, n: int) -> int:
@@ -926,17 +899,14 @@ def linear_add(
     residual: torch.Tensor,  # [T, N], the residual stream
     *,
     chain: bool = True,
-    fold: AllReduceFold | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # residual + linear(x), sumsq [T, P] float32
     """A sublayer's last projection added to the residual stream
     (``kernels.reference.linear_add``), with the partial sums of squares of the sum's rows
     that the next norm needs (``RowNorm``): where ``linear`` streams the weight, its GEMV's
-    tiles' (``linear_small_m(residual=)``); elsewhere one sum a row. ``fold`` (a row-parallel
-    layer on two ranks, ``kernels.fold``): the product is this rank's part; the GEMV sends it
-    to the peer and adds the peer's before the residual (``linear_small_m``), always."""
-    if fold is not None or _streams(x, weight):
+    tiles' (``linear_small_m(residual=)``); elsewhere one sum a row."""
+    if _streams(x, weight):
         return linear_small_m(x, weight, bias, weight_scale=weight_scale, chain=chain,
-                              fold=fold, residual=residual)  # fmt: skip
+                              residual=residual)  # fmt: skip
     h = residual + linear(x, weight, bias, weight_scale, chain=chain)
     return h, h.float().square().sum(-1, keepdim=True)
 

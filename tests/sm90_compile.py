@@ -200,8 +200,7 @@ def gemv_kernel(
     epilogue (1 SiLU, 2 GELU-tanh, libdevice's tanh); ``fold``: the output sent to the peer
     rank too (``kernels.fold``); ``diag``: M = 1's x in chunks (``linear_small_m(diag=...)``);
     ``norm``: x RMSNormed as it loads (``norm=``); ``residual``: out added to the stream, its
-    sums of squares stored (``residual=``; with ``fold``, the peer's part waited for and added
-    first: FOLD_SUM). Compiled as ``linear_small_m`` launches it: M = 1
+    sums of squares stored (``residual=``). Compiled as ``linear_small_m`` launches it: M = 1
     and an unsplit grid's one split constants (Triton specializes an int argument of 1),
     ptxas's register cap from ``kernels.gemv.max_regs_for``."""
     ptrs = {"X": f"*{x}", "W": f"*{w}", "Bias": f"*{x}", "Scale": "*fp32", "Out": f"*{x}",
@@ -209,11 +208,6 @@ def gemv_kernel(
     if fold:
         ptrs.update(Send="*i64", Calls="*i64")
     unfolded = {} if fold else dict(Send=None, Calls=None, stride_send=0)
-    if fold and residual:
-        ptrs.update(Recv="*i64", Status="*i64")
-        unfolded.update(FOLD_SUM=True)
-    else:
-        unfolded.update(Recv=None, Status=None, spin_limit=0, FOLD_SUM=False)
     if norm:
         ptrs.update(NormSq="*fp32", NormW=f"*{x}")
         unfolded.update(NORM_PARTS=256, NORM_X=True, norm_eps=0.0)
@@ -240,8 +234,7 @@ def gemv_kernel(
     if not split:
         consts["num_splits"] = 1
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3],
-                    maxnreg=gemv.max_regs_for(tile[2], w_scale, residual, fold and residual)
-                    or None)  # fmt: skip
+                    maxnreg=gemv.max_regs_for(tile[2], w_scale, residual) or None)  # fmt: skip
 
 
 def norm_kernel(dt: str = "bf16", h: int = 4096, fold: bool = False, post: bool = False):
@@ -551,13 +544,6 @@ FOLD_VARIANTS = {
     "fold-gemv-bf16-m8": lambda: _F("bf16", m=8, tile=(64, 256, 4, 3)),
     "fold-gemv-bf16-m1-split": lambda: _F("bf16", tile=(4, 2048, 4, 3), split=True),
     "fold-gemv-fp8-channel-m1": lambda: _F("fp8e4nv", tile=_FP8_NARROW, w_scale=1),
-    # the sum in the GEMV (the norms left to the projections): twins "rownorm-residual-..."
-    "fold-sum-gemv-bf16-m1": lambda: _F("bf16", tile=(4, 2048, 4, 3), residual=True),
-    "fold-sum-gemv-bf16-m1-short": lambda: _F("bf16", tile=(8, 512, 4, 3), residual=True),
-    "fold-sum-gemv-bf16-m8-diag": lambda: _F("bf16", m=8, tile=_FP8_NARROW, diag=True,
-                                             residual=True),
-    "fold-sum-gemv-fp8-channel-m1-diag": lambda: _F("fp8e4nv", tile=_FP8_NARROW, w_scale=1,
-                                                    diag=True, residual=True),
     "fold-norm-bf16": lambda: norm_summary(fold=True),
     "fold-norm-post-bf16": lambda: norm_summary(h=3840, fold=True, post=True),
     "fold-norm-fp32": lambda: norm_summary(dt="fp32", h=256, fold=True),  # the start-up check's

@@ -5,15 +5,11 @@ row-parallel GEMV and the norm after it); skipped with fewer than two.
   folded call, eager and replayed from a CUDA graph, gives what NCCL's all-reduce and the
   unfolded norm give on the same GEMV outputs, bit for bit, with rank 1 held back (a sleep
   kernel) before some of its GEMVs, and no norm gives up waiting;
-- the engine, bf16, eager and under CUDA graphs (PDL chain on where the GPU has it), each
-  engine in a process of its own (one symmetric-memory rendezvous a process:
-  ``parallel.one_shot_refusal``): Gemma 3 (the sandwich norms: the output norm of the whole
-  sum) gives NCCL's greedy tokens exactly (two ranks: a sum of two rounds the same whoever
-  adds it); Qwen2 (Llama's layer) takes the norms into the projections under the fold
-  (``forward_deferred``: its GEMVs add the other rank's part), which round elsewhere than
-  NCCL's path, so every token it picks is the one-GPU engine's argmax to within bf16
-  rounding of its logits, the same tokens fed to both (as tests/test_tp_gpu.py checks
-  NCCL's).
+- the engine: greedy tokens with the fold equal NCCL's exactly (two ranks: a sum of two
+  rounds the same whoever adds it), bf16, eager and under CUDA graphs (PDL chain on where
+  the GPU has it), for Qwen2 (Llama's layer) and Gemma 3 (the sandwich norms: the output norm
+  of the whole sum); each engine in a process of its own (one symmetric-memory rendezvous a
+  process: ``parallel.one_shot_refusal``).
 
 Run on the GPU machine: ``python3 -m pytest -q -m gpu tests/test_tp_fold_gpu.py``
 (``docs/benchmarks/device/tp_fold.sh``).
@@ -30,10 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_engine_gpu import BF16_LOGIT_SLACK, _teacher_forced_logits
 from test_model_archs import CASES, save_checkpoint
 from test_model_archs import SHAPE as ARCH_SHAPE
-from test_tp_gpu import SHAPE, _llm
+from test_tp_gpu import SHAPE
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,13 +47,12 @@ def test_folded_kernels_on_two_ranks_give_nccl_s_sums(tmp_path):
         report = found["report"]
         bad = [c for c in report["eager"] + report["graph"] if c["differ"]]
         assert not bad, (rank, bad)
-        assert len(report["eager"]) == 9 and len(report["graph"]) == 15, report
+        assert len(report["eager"]) == 7 and len(report["graph"]) == 12, report
         assert report["status"] == 0, (rank, report["status"])
 
 
 ONE_ENGINE = """
 import json, sys
-import torch
 from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import LLM
 from flashserve.sampling.params import SamplingParams
@@ -67,16 +61,13 @@ prompts = json.loads(sys.argv[4])
 config = EngineConfig(model=path, max_model_len=2048, max_kv_tokens=1 << 15, max_num_seqs=8,
                       tensor_parallel_size=2, tp_all_reduce=setting, enforce_eager=eager)
 with LLM(config) as llm:
-    runner = llm.engine.runner
-    fused = runner.tp.fused
+    fused = llm.engine.runner.tp.fused
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     tokens = [c.token_ids for c in llm.generate(prompts, params)]
     status = None if fused is None else fused.status.item()
     calls = None if fused is None else fused.calls.item()
-    x = torch.empty(1, runner.model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
-    defers = runner.model._defers_norms(x, runner.model.tp.fold_for(x))
 print(json.dumps({"fused": fused is not None, "status": status, "calls": calls,
-                  "tokens": tokens, "defers": defers}))
+                  "tokens": tokens}))
 """
 
 
@@ -100,30 +91,14 @@ def checkpoints(tmp_path_factory):
     return {"qwen2": str(qwen), "gemma3": str(gemma)}
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    """Prompts of 5 to 1200 tokens (prefill steps on NCCL, decode batches of 1 to 4 folded)."""
-    return [[random.randrange(3, vocab - 1) for _ in range(n)] for n in (5, 300, 1200, 40)]
-
-
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
-def test_fused_all_reduce_gives_nccl_s_tokens(checkpoints, eager):
-    prompts = _prompts(ARCH_SHAPE["vocab_size"])
-    fused = _tokens(checkpoints["gemma3"], prompts, "fused", eager)
-    nccl = _tokens(checkpoints["gemma3"], prompts, "nccl", eager)
-    assert fused["fused"] and not nccl["fused"] and not fused["defers"]
+def test_fused_all_reduce_gives_nccl_s_tokens(checkpoints, arch, eager):
+    """Prompts of 5 to 1200 tokens (prefill steps on NCCL, decode batches of 1 to 4 folded)."""
+    vocab = SHAPE["vocab_size"] if arch == "qwen2" else ARCH_SHAPE["vocab_size"]
+    prompts = [[random.randrange(3, vocab - 1) for _ in range(n)] for n in (5, 300, 1200, 40)]
+    fused = _tokens(checkpoints[arch], prompts, "fused", eager)
+    nccl = _tokens(checkpoints[arch], prompts, "nccl", eager)
+    assert fused["fused"] and not nccl["fused"]
     assert fused["status"] == 0 and fused["calls"] > 0, fused
     assert fused["tokens"] == nccl["tokens"]
-
-
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
-def test_fused_all_reduce_with_the_norms_in_the_gemvs_picks_one_gpu_s_argmax(checkpoints, eager):
-    prompts = _prompts(SHAPE["vocab_size"])
-    fused = _tokens(checkpoints["qwen2"], prompts, "fused", eager)
-    assert fused["fused"] and fused["defers"]
-    assert fused["status"] == 0 and fused["calls"] > 0, fused
-    with _llm(checkpoints["qwen2"], enforce_eager=True) as one:
-        for prompt, tokens in zip(prompts, fused["tokens"], strict=True):
-            logits = _teacher_forced_logits(one, prompt + tokens)[len(prompt) - 1 : -1]
-            chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
-            gap = logits.max(dim=1).values - chosen  # >= 0; 0 where one GPU agrees exactly
-            assert gap.max().item() <= BF16_LOGIT_SLACK, (tokens, gap.tolist())

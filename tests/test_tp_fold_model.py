@@ -19,7 +19,7 @@ import pytest
 import torch
 from model_utils import block_tables, make_kv_caches, step_metadata
 
-from flashserve.models.attention import TorchBackend
+from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
 from flashserve.models.decoder import build_model, init_random
 from flashserve.models.presets import PRESETS
@@ -41,7 +41,6 @@ class QueueFold:
     recv: queue.Queue
     sent: int = 0
     received: int = 0
-    norms: int = 0  # norms given this fold
 
 
 class ThreadPair:
@@ -87,21 +86,16 @@ class RankComm:
         return value
 
 
-def folding_backend(fuse_norms: bool = False):
-    """The torch backend, its linear, linear_add and add-norms taking ``fold`` as the Triton
-    ones do; ``fuse_norms``: the norms left to the projections (``forward_deferred``)."""
-    backend = TorchBackend(fuse_norms=fuse_norms)
+def folding_backend():
+    """The torch backend, its linear and add-norms taking ``fold`` as the Triton ones do."""
+    backend = load_backend("torch")
 
-    def linear(x, weight, bias=None, weight_scale=None, fold=None, norm=None):
-        y = reference.linear(x, weight, bias, weight_scale, norm)
+    def linear(x, weight, bias=None, weight_scale=None, fold=None):
+        y = reference.linear(x, weight, bias, weight_scale)
         if fold is not None:
             fold.send.put(y.clone())
             fold.sent += 1
         return y
-
-    def linear_add(x, weight, bias, weight_scale, residual, fold=None):
-        h = residual + summed(linear(x, weight, bias, weight_scale, fold), fold)
-        return h, h.float().square().sum(-1, keepdim=True)
 
     def summed(x, fold):
         if fold is None:
@@ -109,28 +103,22 @@ def folding_backend(fuse_norms: bool = False):
         fold.received += 1
         return (x.float() + fold.recv.get(timeout=TIMEOUT_S).float()).to(x.dtype)
 
-    def normed(x, fold):
-        if fold is not None:
-            fold.norms += 1
-        return summed(x, fold)
-
     def add_rms_norm(x, residual, weight, eps, unit_offset=False, fold=None):
-        return reference.add_rms_norm(normed(x, fold), residual, weight, eps, unit_offset)
+        return reference.add_rms_norm(summed(x, fold), residual, weight, eps, unit_offset)
 
     def norm_add_norm(x, residual, post, weight, eps, unit_offset=False, fold=None):
-        return reference.norm_add_norm(normed(x, fold), residual, post, weight, eps,
+        return reference.norm_add_norm(summed(x, fold), residual, post, weight, eps,
                                        unit_offset)  # fmt: skip
 
-    backend.linear, backend.linear_add, backend.add_rms_norm = linear, linear_add, add_rms_norm
+    backend.linear, backend.add_rms_norm = linear, add_rms_norm
     backend.norm_add_norm = norm_add_norm
     return backend
 
 
-def rank_steps(config: ModelConfig, comm: RankComm, prompt: list[int], decodes: int,
-               fuse_norms: bool = False):  # fmt: skip
+def rank_steps(config: ModelConfig, comm: RankComm, prompt: list[int], decodes: int):
     """A prompt's prefill then ``decodes`` greedy-free decode steps (fixed next tokens) on
     this rank's share; the hidden states of every step."""
-    model = build_model(config, folding_backend(fuse_norms), "cpu", torch.float32, tp=comm)
+    model = build_model(config, folding_backend(), "cpu", torch.float32, tp=comm)
     init_random(model, seed=3)
     bs = 16
     table, blocks = block_tables([len(prompt) + decodes], bs, shuffle=False)
@@ -148,14 +136,14 @@ def rank_steps(config: ModelConfig, comm: RankComm, prompt: list[int], decodes: 
     return out
 
 
-def run_pair(config: ModelConfig, fold: bool, fuse_norms: bool = False):
+def run_pair(config: ModelConfig, fold: bool):
     pair = ThreadPair(fold)
     comms = [pair.comm(r) for r in range(2)]
     results: list = [None, None]
 
     def rank(r: int) -> None:
         try:
-            results[r] = rank_steps(config, comms[r], [5, 9, 2, 44, 17, 3], 3, fuse_norms)
+            results[r] = rank_steps(config, comms[r], [5, 9, 2, 44, 17, 3], 3)
         except BaseException as exc:  # noqa: BLE001 - reported below
             results[r] = exc
             pair.barrier.abort()
@@ -184,31 +172,8 @@ def test_every_row_parallel_output_meets_one_norm(arch):
         # each layer's two row-parallel outputs went through the queues, none left over;
         # nothing was all-reduced
         f = pair.folds[r]
-        assert f.sent == f.received == f.norms == 2 * layers * steps, (f.sent, f.received)
+        assert f.sent == f.received == 2 * layers * steps, (f.sent, f.received)
         assert f.recv.empty()
         assert folded_comms[r].all_reduces == 0
         assert plain_comms[r].all_reduces == 2 * layers * steps
     assert torch.equal(folded[0][-1], folded[1][-1])  # both ranks hold the same sums
-
-
-def test_with_the_norms_in_the_projections_each_gemv_adds_the_other_s_part():
-    """Llama's layer with its norms left to the projections (``forward_deferred``, the
-    backend's ``fuses_norms``): under the fold o_proj and down_proj add the other rank's part
-    themselves (``linear_add(fold=)``), no norm is given ``fold``, and the hidden states are
-    the all-reducing ranks' to float32 rounding (the deferred norm rounds elsewhere); both
-    ranks hold the same. Without the fold (NCCL) the norms are not deferred."""
-    config = ModelConfig.from_hf_dict(CONFIGS["llama"], name="tiny-llama")
-    layers = config.num_hidden_layers
-    plain, plain_comms, _ = run_pair(config, fold=False, fuse_norms=True)
-    folded, folded_comms, pair = run_pair(config, fold=True, fuse_norms=True)
-    steps = len(plain[0])
-    for r in range(2):
-        for step in range(steps):
-            torch.testing.assert_close(folded[r][step], plain[r][step], rtol=1e-5, atol=1e-5)
-        f = pair.folds[r]
-        assert f.sent == f.received == 2 * layers * steps, (f.sent, f.received)
-        assert f.norms == 0 and f.recv.empty()
-        assert folded_comms[r].all_reduces == 0
-        assert plain_comms[r].all_reduces == 2 * layers * steps
-    for step in range(steps):
-        assert torch.equal(folded[0][step], folded[1][step]), step

@@ -3,12 +3,10 @@ engine's own group (``TPGroup.join(..., "fused")``: symmetric memory, its start-
 for tests/test_tp_fold_gpu.py: ``python tests/tp_fold_ranks.py OUT.json`` spawns both ranks
 and writes each one's findings ({rank: {"status", "report"}}).
 
-Each rank runs a sequence of folded calls of three forms: its GEMV, then the add-norm that
-waits for the other rank's part (Llama's norm, Gemma's), or its GEMV adding the other's part
-and the residual itself (``linear_small_m(fold=, residual=)``, the norms left to the
-projections); several row counts and tile configs (split K among them), bf16. After each
-call it sums its GEMV's own output (unfolded, for the third form) with NCCL and runs the
-unfolded norm, or adds the residual, on that: the folded results must be those, bit for bit. Rank 1
+Each rank runs a sequence of folded calls (its GEMV, then the add-norm that waits for the
+other rank's part), Llama's and Gemma's norms alternating, several row counts and tile
+configs (split K among them), bf16; after each call it sums its GEMV's own output with NCCL
+and runs the unfolded norm on that: the folded results must be those, bit for bit. Rank 1
 is held back (``torch.cuda._sleep``, tens of milliseconds) before some of its GEMVs, so that
 rank 0's norm must wait. Then the same under a CUDA graph (four calls captured, rank 1's
 sleep inside, replayed over new inputs), and the status word must read 0 (no norm gave up).
@@ -33,16 +31,14 @@ from kernels.norm import add_rms_norm, norm_add_norm  # noqa: E402
 
 EPS = 1e-6
 SLEEP_CYCLES = 50_000_000  # ~25-35 ms at the H100/H200's clocks
-LLAMA, GEMMA, SUM = "llama", "gemma", "sum"  # the forms
-# (rows, hidden, K, tile config or None for the heuristic's, form)
-CALLS = [(1, 4096, 2048, None, LLAMA), (5, 4096, 7168, None, SUM), (16, 3840, 1920, None, GEMMA),
-         (1, 4096, 2048, (4, 1024, 4, 4, 3), LLAMA), (3, 3840, 7680, None, GEMMA),
-         (1, 4096, 7168, None, SUM), (8, 4096, 2048, (32, 256, 2, 4, 4), GEMMA),
-         (1, 4096, 2048, None, SUM), (2, 4096, 7168, (8, 512, 4, 4, 3), SUM)]  # fmt: skip
-HELD = {1, 4, 5, 7}  # calls before whose GEMV rank 1 sleeps
+# (rows, hidden, K, tile config or None for the heuristic's, Gemma's form)
+CALLS = [(1, 4096, 2048, None, False), (5, 4096, 7168, None, False), (16, 3840, 1920, None, True),
+         (1, 4096, 2048, (4, 1024, 4, 4, 3), False), (3, 3840, 7680, None, True),
+         (1, 4096, 7168, None, False), (8, 4096, 2048, (32, 256, 2, 4, 4), True)]  # fmt: skip
+HELD = {1, 4, 5}  # calls before whose GEMV rank 1 sleeps
 
 
-def inputs(call: int, rank: int, m: int, h: int, k: int, dev: torch.device, form: str):
+def inputs(call: int, rank: int, m: int, h: int, k: int, dev: torch.device, gemma: bool):
     """This rank's x and weight (its own), and the residual and norm weights (both ranks')."""
     mine = torch.Generator(device=dev).manual_seed(1000 * call + rank)
     both = torch.Generator(device=dev).manual_seed(1000 * call + 7)
@@ -51,45 +47,29 @@ def inputs(call: int, rank: int, m: int, h: int, k: int, dev: torch.device, form
     w = (torch.randn(h, k, device=dev, generator=mine) / k**0.5).to(bf)
     res = torch.randn(m, h, device=dev, generator=both).to(bf)
     norm_w = (1 + 0.1 * torch.randn(h, device=dev, generator=both)).to(bf)
-    post_w = (0.1 * torch.randn(h, device=dev, generator=both)).to(bf) if form == GEMMA else None
+    post_w = (0.1 * torch.randn(h, device=dev, generator=both)).to(bf) if gemma else None
     return x, w, res, norm_w, post_w
 
 
-def folded(x, w, res, norm_w, post_w, fold, config, hold: bool, form: str):
-    """The GEMV's own output (SUM: the unfolded GEMV's, run first) and the folded results:
-    (normed, residual), or (SUM) (residual, its tiles' sums of squares)."""
-    if form == SUM:
-        out = linear_small_m(x, w, config=config)
+def folded(x, w, res, norm_w, post_w, fold, config, hold: bool):
     if hold:
         torch.cuda._sleep(SLEEP_CYCLES)
-    if form == SUM:
-        return out, linear_small_m(x, w, fold=fold, config=config, residual=res)
     out = linear_small_m(x, w, fold=fold, config=config)
-    if form == GEMMA:
+    if post_w is not None:
         return out, norm_add_norm(out, res, post_w, norm_w, EPS, True, fold=fold)
     return out, add_rms_norm(out, res, norm_w, EPS, fold=fold)
 
 
-def unfolded(out, res, norm_w, post_w, form: str):
-    """The engine's NCCL path on the same GEMV output: all-reduce, then the plain kernel (SUM:
-    the residual added, and the float32 sum of squares of each row)."""
+def unfolded(out, res, norm_w, post_w):
+    """The engine's NCCL path on the same GEMV output: all-reduce, then the plain kernel."""
     summed = out.clone()
     dist.all_reduce(summed)
-    if form == SUM:
-        h = res + summed
-        return h, h.float().square().sum(1, keepdim=True)
-    if form == GEMMA:
+    if post_w is not None:
         return norm_add_norm(summed, res, post_w, norm_w, EPS, True)
     return add_rms_norm(summed, res, norm_w, EPS)
 
 
-def differences(got, want, form: str) -> list[str]:
-    if form == SUM:  # the residual bit for bit; the tiles' sums of squares add up to the row's
-        h, sumsq = got
-        bad = [] if torch.equal(h, want[0]) else ["residual"]
-        if not torch.allclose(sumsq.sum(1, keepdim=True), want[1], rtol=1e-5):
-            bad.append("sumsq")
-        return bad
+def differences(got, want) -> list[str]:
     return [name for name, a, b in zip(("normed", "residual"), got, want, strict=True)
             if not torch.equal(a, b)]  # fmt: skip
 
@@ -101,12 +81,12 @@ def rank_main(rank: int, port: int, results) -> None:
         group = TPGroup.join(store, rank, 2, f"cuda:{rank}", "fused")
         dev = group.device
         report = {"eager": [], "graph": []}
-        for call, (m, h, k, config, form) in enumerate(CALLS):
-            x, w, res, norm_w, post_w = inputs(call, rank, m, h, k, dev, form)
+        for call, (m, h, k, config, gemma) in enumerate(CALLS):
+            x, w, res, norm_w, post_w = inputs(call, rank, m, h, k, dev, gemma)
             fold = group.fused.fold(h, torch.bfloat16)
             out, got = folded(x, w, res, norm_w, post_w, fold, config,
-                              rank == 1 and call in HELD, form)  # fmt: skip
-            bad = differences(got, unfolded(out, res, norm_w, post_w, form), form)
+                              rank == 1 and call in HELD)  # fmt: skip
+            bad = differences(got, unfolded(out, res, norm_w, post_w))
             report["eager"].append({"call": call, "rows": m, "hidden": h, "differ": bad})
         report["graph"] = graph_calls(group, rank)
         torch.cuda.synchronize(dev)
@@ -121,15 +101,15 @@ def rank_main(rank: int, port: int, results) -> None:
 
 
 def graph_calls(group: TPGroup, rank: int) -> list[dict]:
-    """Five folded calls captured in one CUDA graph (rank 1 sleeping before the second),
+    """Four folded calls captured in one CUDA graph (rank 1 sleeping before the second),
     replayed three times over new inputs copied into the captured ones."""
     dev = group.device
-    shapes = [CALLS[i] for i in (0, 2, 1, 6, 7)]
+    shapes = [CALLS[i] for i in (0, 2, 1, 6)]
     fold = {h: group.fused.fold(h, torch.bfloat16) for _, h, _, _, _ in shapes}
     static = [inputs(100 + i, rank, m, h, k, dev, g) for i, (m, h, k, _, g) in enumerate(shapes)]
 
     def step():
-        return [folded(*static[i], fold[s[1]], s[3], rank == 1 and i == 1, s[4])
+        return [folded(*static[i], fold[s[1]], s[3], rank == 1 and i == 1)
                 for i, s in enumerate(shapes)]  # fmt: skip
 
     stream = torch.cuda.Stream(dev)
@@ -151,8 +131,7 @@ def graph_calls(group: TPGroup, rank: int) -> list[dict]:
         graph.replay()
         for i, (out, got) in enumerate(captured):
             _, _, res, norm_w, post_w = static[i]
-            form = shapes[i][4]
-            bad = differences(got, unfolded(out, res, norm_w, post_w, form), form)
+            bad = differences(got, unfolded(out, res, norm_w, post_w))
             found.append({"replay": replay, "call": i, "differ": bad})
     graph.reset()
     return found

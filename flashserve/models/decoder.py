@@ -15,13 +15,12 @@ MLP) apply to a sublayer's output before that add, in the same kernel (``norm_ad
 so a Gemma layer returns its MLP output un-normed and the next layer's input norm (or the
 final norm) applies the layer's ``post_feedforward_layernorm`` with its own. Where the
 backend folds the norms into the projections (``AttentionBackend.fuses_norms``: decode sizes,
-16-bit or float8 weights, one rank or two with the all-reduce folded, Llama's norm), the
-layers run ``forward_deferred`` instead: o_proj and down_proj add their outputs (both ranks'
-parts) to the stream themselves and leave its rows' sums of squares, and qkv_proj and
-gate/up norm their input as they read it (``kernels.gemv``). The small operations (norms,
-RoPE with the KV store, the gated activations) come from the attention backend
-(``flashserve.models.attention.AttentionBackend``): the torch one rounds exactly as Hugging
-Face does; the Triton one fuses them.
+16-bit or float8 weights, one rank, Llama's norm), the layers run ``forward_deferred``
+instead: o_proj and down_proj add their outputs to the stream themselves and leave its rows'
+sums of squares, and qkv_proj and gate/up norm their input as they read it
+(``kernels.gemv``). The small operations (norms, RoPE with the KV store, the gated
+activations) come from the attention backend (``flashserve.models.attention.AttentionBackend``):
+the torch one rounds exactly as Hugging Face does; the Triton one fuses them.
 """
 
 from __future__ import annotations
@@ -210,8 +209,7 @@ class DecoderLayer(nn.Module):
     part to the other rank and the norm that reads the output next (this layer's second norm,
     the next layer's first, the model's final one) adds the other's: every folded GEMV is
     followed by exactly one norm given the same ``fold``. The output norm (``post``) applies
-    to the whole sum. Where the norms are deferred (``forward_deferred``), the GEMV adds the
-    other's part itself, before the residual: no norm kernel is left to do it."""
+    to the whole sum."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int,
                  fp8: str | None = None, *, tp: TPComm = SINGLE):  # fmt: skip
@@ -265,21 +263,19 @@ class DecoderLayer(nn.Module):
         ropes: list[Rope],
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
-        fold: AllReduceFold | None = None,  # the step's folded all-reduce (two ranks)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the stream after this layer, its sums
         """``forward`` with each norm left to the projection that reads it (the backend's
-        ``fuses_norms``; one rank or ``fold``, no sandwich norms): o_proj and down_proj add
-        their outputs (with ``fold``, both ranks' parts) to the stream and leave its sums of
-        squares, qkv_proj and gate/up norm as they read. The same values ``forward`` gives:
-        the layer's output already added to the stream."""
+        ``fuses_norms``; one rank, no sandwich norms): o_proj and down_proj add their outputs
+        to the stream and leave its sums of squares, qkv_proj and gate/up norm as they read.
+        The same values ``forward`` gives: the layer's output already added to the stream."""
         if sumsq is None:  # the embeddings: normed by the norm's own op
             out = self.self_attn.attend(self.input_layernorm(h), positions, ropes, kv_cache, meta)
         else:
             out = self.self_attn.attend(h, positions, ropes, kv_cache, meta,
                                         self.input_layernorm.deferred(sumsq))  # fmt: skip
-        h, sumsq = self.self_attn.o_proj.add_to(out, h, fold)
+        h, sumsq = self.self_attn.o_proj.add_to(out, h)
         out = self.mlp.gated(h, self.post_attention_layernorm.deferred(sumsq))
-        return self.mlp.down_proj.add_to(out, h, fold)
+        return self.mlp.down_proj.add_to(out, h)
 
     def _summed(self, x: torch.Tensor, fold: AllReduceFold | None) -> torch.Tensor:
         """A row-parallel layer's output summed over the ranks now, or (``fold``) left to
@@ -341,28 +337,25 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         ropes = [(r.cos, r.sin) for r in self.model.rotary_embeddings()]
         x, residual, post = self.embed(input_ids), None, None  # [T, hidden]
-        fold = self.tp.fold_for(x)  # decode-sized steps under --tp-all-reduce fused
-        if self._defers_norms(x, fold):
+        if self._defers_norms(x):
             sumsq = None
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x, sumsq = layer.forward_deferred(x, sumsq, positions, ropes, kv_cache, meta,
-                                                  fold)  # fmt: skip
+                x, sumsq = layer.forward_deferred(x, sumsq, positions, ropes, kv_cache, meta)
             return self.model.norm(x)
+        fold = self.tp.fold_for(x)  # decode-sized steps under --tp-all-reduce fused
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, ropes, kv_cache, meta, post, fold)
             post = layer.output_norm
         return self.model.norm(x, residual, post, fold)[0]
 
-    def _defers_norms(self, x: torch.Tensor, fold: AllReduceFold | None) -> bool:
+    def _defers_norms(self, x: torch.Tensor) -> bool:
         """Whether this step's layers leave their norms to the projections
         (``DecoderLayer.forward_deferred``): where the backend fuses them for ``x``'s size, on
-        one rank or with the all-reduce folded (``fold``: o_proj and down_proj add the other
-        rank's part themselves; under NCCL the all-reduce comes between), for Llama's norm
+        one rank (under tensor parallelism the norm sums the ranks' parts), for Llama's norm
         (not Gemma's sandwich and ``1 + w``) in the activations' dtype."""
         c = self.config
         weight = self.model.layers[0].self_attn.o_proj.weight  # the projections' dtype
-        return ((self.tp.size == 1 or fold is not None)
-                and not c.sandwich_norms and not c.norm_unit_offset
+        return (self.tp.size == 1 and not c.sandwich_norms and not c.norm_unit_offset
                 and self.model.norm.weight.dtype == x.dtype
                 and self.backend.fuses_norms(x, weight))  # fmt: skip
 

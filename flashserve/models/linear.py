@@ -85,15 +85,11 @@ class Linear(nn.Module):
             kwargs["norm"] = norm
         return self.ops.linear(x, self.weight, self.bias, self.weight_scale, **kwargs)
 
-    def add_to(self, x: torch.Tensor, residual: torch.Tensor, fold=None
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``residual + self(x)`` and the partial sums of squares of its rows [T, P] (float32),
-        which the next norm reads (the backend's ``linear_add``). ``fold`` (a row-parallel
-        layer's folded all-reduce): ``self(x)`` is this rank's part, and the backend adds the
-        other rank's before the residual; passed only when set."""
-        kwargs = {"fold": fold} if fold is not None else {}
-        return self.ops.linear_add(x, self.weight, self.bias, self.weight_scale, residual,
-                                   **kwargs)  # fmt: skip
+        which the next norm reads (the backend's ``linear_add``)."""
+        return self.ops.linear_add(x, self.weight, self.bias, self.weight_scale, residual)
 
     def extra_repr(self) -> str:
         fp8 = f", fp8={self.fp8}" if self.fp8 else ""
