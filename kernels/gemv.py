@@ -95,8 +95,7 @@ _GATED_GELU_TANH = tl.constexpr(GATED_ACTS["gelu_tanh"])  # a jit function reads
 def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
                stride_om, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GATED: tl.constexpr,
                LIBDEVICE: tl.constexpr, FOLD: tl.constexpr, Res=None, stride_rm=0, SumSq=None,
-               tile=0, stride_sq=0, ADD_RES: tl.constexpr = False, RowSq=None, Ticket=None,
-               SQ_CHUNK: tl.constexpr = 1):  # fmt: skip
+               tile=0, stride_sq=0, ADD_RES: tl.constexpr = False):  # fmt: skip
     """acc [BM, BN] fp32, column j the sum of weight row ``offs_n[j]`` (valid where
     ``n_mask``): ``y = acc (* scale[row]) (+ bias[row])``, then out[m, col0 + j] = y[m, j]
     (GATED 0), or with GATED the act of each even column times the odd one after it,
@@ -104,9 +103,7 @@ def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M
     columns < n_out. FOLD: the same values into ``Send`` too, as words tagged ``tag`` (the
     peer's slot, rows of n_out: ``kernels.fold``). ADD_RES: y rounded to out's dtype, then
     ``out = res + y`` rounded again (the residual add), and the tile's sum of ``out[m]**2``
-    over its columns, float32, stored at ``SumSq + tile + m * stride_sq``; the last tile to
-    get there (``Ticket``, a zeroed counter it leaves zeroed) sums every tile's, in tile order
-    (``SQ_CHUNK`` a round), into ``RowSq[m]``: one value a row for the GEMV that norms."""
+    over its columns, float32, stored at ``SumSq + tile + m * stride_sq``."""
     if ROW_SCALE:
         acc *= tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -123,20 +120,6 @@ def _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M
         y = (r.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
         yf = tl.where(mask, y.to(tl.float32), 0.0)
         tl.store(SumSq + tile + offs_m * stride_sq, tl.sum(yf * yf, 1), mask=offs_m < M)
-        # a barrier (every thread's store issued), then one acq_rel atomic at GPU scope
-        # (releases them; the last tile acquires everyone else's), as the split-K merge does
-        tl.debug_barrier()
-        if tl.atomic_add(Ticket, 1, sem="acq_rel", scope="gpu") == stride_sq - 1:
-            tl.store(Ticket, 0)  # zero again for the next launch (CUDA graphs)
-            offs_t = tl.arange(0, SQ_CHUNK)
-            rows = (offs_m < M)[:, None]
-            total = tl.zeros([offs_m.shape[0], SQ_CHUNK], tl.float32)
-            for t0 in range(0, stride_sq, SQ_CHUNK):
-                idx = t0 + offs_t
-                total += tl.load(SumSq + offs_m[:, None] * stride_sq + idx[None, :],
-                                 mask=rows & (idx < stride_sq)[None, :], other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            tl.store(RowSq + offs_m, tl.sum(total, 1), mask=offs_m < M)
     tl.store(ptrs, y, mask=mask)
     if FOLD:
         fold_send(Send + offs_m[:, None] * n_out + offs_o[None, :], y, mask, tag)
@@ -314,9 +297,6 @@ def _linear_kernel(
     FOLD: tl.constexpr = False,  # the output to the peer's slot too, as tagged words
     Res=None,  # [M, N] the residual stream (ADD_RES)
     SumSq=None,  # [M, cdiv(N, BLOCK_N)] float32: each tile's sum of out**2 by row (ADD_RES)
-    RowSq=None,  # [M] float32: their totals, by the last tile (ADD_RES)
-    Ticket=None,  # [1] int32, zero between launches: the tiles done (ADD_RES)
-    SQ_CHUNK: tl.constexpr = 1,  # the tiles' sums the last tile adds a round (ADD_RES)
     stride_rm=0,
     ADD_RES: tl.constexpr = False,  # out = res + the product, and its sums of squares
     NormSq=None,  # [M, P] float32: P partial sums of squares of each x row (NORM_X)
@@ -455,13 +435,11 @@ def _linear_kernel(
                 total += tl.sum(tl.load(ptrs, mask=live, other=0.0, cache_modifier=".cg"), 0)
             _store_out(total, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M,
                        n_out, stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD, Res,
-                       stride_rm, SumSq, pid_n, tl.num_programs(0), ADD_RES, RowSq, Ticket,
-                       SQ_CHUNK)  # fmt: skip
+                       stride_rm, SumSq, pid_n, tl.num_programs(0), ADD_RES)  # fmt: skip
     else:
         _store_out(acc, Bias, Scale, Out, Send, tag, offs_m, offs_n, n_mask, col0, M, n_out,
                    stride_om, HAS_BIAS, W_SCALE == 1, GATED, LIBDEVICE, FOLD, Res, stride_rm,
-                   SumSq, pid_n, tl.num_programs(0), ADD_RES, RowSq, Ticket,
-                   SQ_CHUNK)  # fmt: skip
+                   SumSq, pid_n, tl.num_programs(0), ADD_RES)  # fmt: skip
 
 
 # ---- tuning: `python -m kernels.bench_gemv --wide`, H100 (132 SMs, copy 3.02 TB/s), bf16,
@@ -566,10 +544,8 @@ W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2  # _linear_kernel's W_SCA
 # (docs/benchmarks/gemv_norm_bench.py): o_proj 8.38 / 11.71 uncapped, 8.69 / 8.48 capped;
 # down 23.00 / 32.30, 23.16 / 23.18. The cap slows the plain tiles a little (qkv 10.91 ->
 # 11.19), so only the add takes it; wider tiles keep ptxas's choice (the 2-warp gate/up tile:
-# 179 registers either way; a cap of 128 spills it). The bf16 one-warp diag tile (M = 2-8)
-# took 2 instructions more in its K loop (110) once the last tile summed the tiles' squares
-# (96 registers); capped, 108 (its twin's) with 144.
-_ONE_WARP_MAX_REGS = 255
+# 179 registers either way; a cap of 128 spills it).
+_FP8_ONE_WARP_MAX_REGS = 255
 
 
 def _fp8_config(
@@ -622,10 +598,11 @@ def gemv_config(
     return block_n, block_k, split, warps, stages, diag
 
 
-def max_regs_for(num_warps: int, add_res: bool) -> int:
+def max_regs_for(num_warps: int, w_scale: int, add_res: bool) -> int:
     """The ``maxnreg`` a tile launches with (0: ptxas's own choice); ``add_res``: with the
-    residual add in its epilogue (one-warp tiles: ``_ONE_WARP_MAX_REGS``)."""
-    return _ONE_WARP_MAX_REGS if add_res and num_warps == 1 else 0
+    residual add in its epilogue."""
+    one_warp_fp8 = w_scale != W_SCALE_NONE and num_warps == 1
+    return _FP8_ONE_WARP_MAX_REGS if one_warp_fp8 and add_res else 0
 
 
 def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
@@ -651,8 +628,6 @@ def w_scale_kind(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int
 
 # one per output tile: the last K-split program of each sums the partials
 _COUNTERS = SplitCounters("linear_small_m", 1 << 16)
-# the tiles' sums of squares the last tile of a residual add sums a round (ADD_RES)
-_SQ_CHUNK = 256
 _split_counters = _COUNTERS.take
 
 
@@ -735,7 +710,7 @@ def linear_small_m(
     None: ``gemv_config``'s choice without ``config``, off with it.
 
     ``max_regs``: the register cap handed to ptxas (``maxnreg``; 0 leaves the count to it);
-    None takes ``max_regs_for`` the tile.
+    None takes ``max_regs_for`` the tile and weight.
 
     ``residual`` (a sublayer's last projection; not with ``act`` or ``fold``): ``out =
     residual + product``, both rounded to x's dtype first (``kernels.reference.add_rms_norm``'s
@@ -797,13 +772,11 @@ def linear_small_m(
     else:
         part = counters = out  # unused
     block_m = triton.next_power_of_2(m) if diag else 16 if use_dot else 1
-    sumsq = tile_sq = ticket = None
-    if residual is not None:  # the tiles' sums of squares, their totals, the tiles' ticket
-        tile_sq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
-        sumsq = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        ticket = _split_counters(x.device, tiles_n + 1)[tiles_n:]  # past the split's
+    sumsq = None
+    if residual is not None:
+        sumsq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
     if max_regs is None:
-        max_regs = max_regs_for(num_warps, residual is not None)
+        max_regs = max_regs_for(num_warps, w_scale, residual is not None)
     # ptxas's option: ROCm's Triton has no maxnreg (it refuses options it does not know)
     launch = {"maxnreg": max_regs} if max_regs and torch.version.hip is None else {}
     _linear_kernel[(tiles_n, splits)](
@@ -818,20 +791,16 @@ def linear_small_m(
         F16_DOT=fp8 and x.dtype != torch.float32, DIAG=diag, GATED=gated,
         LIBDEVICE=x.device.type == "cuda", num_warps=num_warps, **pdl_kwargs(x.device, chain),
         **launch,
-        **_fold_args(fold), **_residual_args(residual, tile_sq, sumsq, ticket),
-        **_norm_args(norm),
+        **_fold_args(fold), **_residual_args(residual, sumsq), **_norm_args(norm),
     )  # fmt: skip
     return out if residual is None else (out, sumsq)
 
 
-def _residual_args(residual: torch.Tensor | None, tile_sq: torch.Tensor | None,
-                   row_sq: torch.Tensor | None, ticket: torch.Tensor | None) -> dict:  # fmt: skip
+def _residual_args(residual: torch.Tensor | None, sumsq: torch.Tensor | None) -> dict:
     """_linear_kernel's ADD_RES arguments."""
     if residual is None:
         return dict(ADD_RES=False)
-    chunk = min(triton.next_power_of_2(tile_sq.shape[1]), _SQ_CHUNK)
-    return dict(Res=residual, SumSq=tile_sq, RowSq=row_sq, Ticket=ticket,
-                stride_rm=residual.stride(0), SQ_CHUNK=chunk, ADD_RES=True)  # fmt: skip
+    return dict(Res=residual, SumSq=sumsq, stride_rm=residual.stride(0), ADD_RES=True)
 
 
 def _norm_args(norm: RowNorm | None) -> dict:

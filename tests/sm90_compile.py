@@ -215,11 +215,10 @@ def gemv_kernel(
         unfolded.update(NormSq=None, NormW=None, norm_parts=0, norm_eps=0.0, NORM_PARTS=1,
                         NORM_X=False)  # fmt: skip
     if residual:
-        ptrs.update(Res=f"*{x}", SumSq="*fp32", RowSq="*fp32", Ticket="*i32")
-        unfolded.update(ADD_RES=True, SQ_CHUNK=256)
+        ptrs.update(Res=f"*{x}", SumSq="*fp32")
+        unfolded.update(ADD_RES=True)
     else:
-        unfolded.update(Res=None, SumSq=None, RowSq=None, Ticket=None, stride_rm=0,
-                        ADD_RES=False)  # fmt: skip
+        unfolded.update(Res=None, SumSq=None, stride_rm=0, ADD_RES=False)
     fp8 = w_scale > 0
     dot = m > 1 or fp8 or diag
     consts = dict(HAS_BIAS=False, SPLIT=split, USE_DOT=dot, EVEN_K=True,
@@ -235,7 +234,7 @@ def gemv_kernel(
     if not split:
         consts["num_splits"] = 1
     return _compile(gemv._linear_kernel, ptrs, consts, num_warps=tile[2], num_stages=tile[3],
-                    maxnreg=gemv.max_regs_for(tile[2], residual) or None)  # fmt: skip
+                    maxnreg=gemv.max_regs_for(tile[2], w_scale, residual) or None)  # fmt: skip
 
 
 def norm_kernel(dt: str = "bf16", h: int = 4096, fold: bool = False, post: bool = False):

@@ -72,26 +72,26 @@ def split_sums(x, parts):
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("config,diag", CONFIGS)
 def test_residual_add_and_tile_sums(dtype, m, config, diag):
-    """out = residual + x @ w.T + b, the product rounded first; sumsq [M, 1] = the sum of
-    out**2 over the row, which the last tile sums from every tile's (N = 72: a partial last
-    tile); three calls in a row (the tiles' ticket left zeroed for the next)."""
+    """out = residual + x @ w.T + b, the product rounded first; sumsq[:, j] = the sum of out**2
+    over tile j's columns (N = 72: a partial last tile)."""
     if diag and m > 8:
         pytest.skip("diag takes M <= 8")
     n, k = 72, 300
     x, r = torch.randn(m, k, device=DEVICE).to(dtype), stream(m, n, dtype)
     w, _, w64 = weights(n, k, dtype)
     b = torch.randn(n, device=DEVICE).to(dtype)
-    for call in range(3):
-        if call:
-            x, r = torch.randn(m, k, device=DEVICE).to(dtype), stream(m, n, dtype)
-        out, sumsq = linear_small_m(x, w, b, config=config, diag=diag, residual=r)
-        product = linear_small_m(x, w, b, config=config, diag=diag)
-        assert out.shape == (m, n) and out.dtype == dtype
-        assert torch.equal(out, (r.float() + product.float()).to(dtype)), "rounded, added"
-        want = r.double() + x.double() @ w64.T + b.double()
-        assert_close(out, want, GEMV_TOL[dtype], "the sum")
-        assert sumsq.dtype == torch.float32 and sumsq.shape == (m, 1)
-        assert_close(sumsq[:, 0], out.double().square().sum(1), 1e-5, f"row sums, call {call}")
+    out, sumsq = linear_small_m(x, w, b, config=config, diag=diag, residual=r)
+    product = linear_small_m(x, w, b, config=config, diag=diag)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert torch.equal(out, (r.float() + product.float()).to(dtype)), "rounded, added, rounded"
+    assert_close(out, r.double() + x.double() @ w64.T + b.double(), GEMV_TOL[dtype], "the sum")
+    assert sumsq.dtype == torch.float32 and sumsq.shape[0] == m
+    assert_close(sumsq.double().sum(1), out.double().square().sum(1), 1e-5, "row sums")
+    if config:  # the heuristic's tile is the device's
+        assert sumsq.shape[1] == triton.cdiv(n, config[0])
+        tiles = out.double().square().split(config[0], dim=1)
+        want = torch.stack([t.sum(1) for t in tiles], 1)
+        assert_close(sumsq, want, 1e-5, "each tile's sum of squares")
 
 
 @pytest.mark.parametrize("scales", ["channel", "block"])

@@ -81,7 +81,7 @@ def main() -> None:
                 ws.append(quantize_per_channel(w) if layout == "fp8" else (w.to(dt), None))
             x = torch.randn(1, k, device=dev, dtype=dt)
             res = torch.randn(1, n if act is None else n // 2, device=dev, dtype=dt)
-            sums = torch.rand(1, 1, device=dev)  # one a row, as the producer leaves them
+            sums = torch.rand(1, 256, device=dev)
             norm = RowNorm(sums, torch.ones(k, device=dev, dtype=dt), 1e-5)
 
             plain = _calls(x, ws, act, {}, chain, args.max_regs)
