@@ -70,6 +70,7 @@ its own), so replays need no memset. Calls on one device must not overlap in tim
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -877,10 +878,33 @@ def linear(
     return torch.nn.functional.linear(x, weight, bias)
 
 
+# GPUs on which folding the norms into the GEMVs (``fuses_norms``) measured faster, by a
+# substring of their names: the H100 SXM (below). Not the H200 (2026-11-28, session 28, bench
+# decode as below, runs alternated with the fold turned off): bf16 3.4 / 2.9 / 1.5% slower a
+# step at 4K / 32K / 128K (4.34 / 5.16 / 7.93 ms against 4.20 / 5.01 / 7.81); fp8 weights and
+# cache level at 4K and 32K (within the runs' 3% spread), 1% faster at 128K. Its GEMVs alone
+# (gemv_norm_bench.py) take +4.0 us a layer for the fold's parts against the H100's +1.2: the
+# normed GEMVs' loads of the producer's tile sums (512-1,024 floats a row, each program) no
+# longer hide under the faster weight stream (qkv +1.6 us, gate/up +2.9; with one sum a row
+# +0.4 and +0.9). Other GPUs: not measured, not folded.
+NORM_FOLD_DEVICES = ("H100",)
+
+
+def norm_fold_pays(device_name: str) -> bool:
+    """Whether ``fuses_norms`` folds on a GPU of this name (``NORM_FOLD_DEVICES``)."""
+    return any(part in device_name for part in NORM_FOLD_DEVICES)
+
+
+@functools.cache
+def _norm_fold_pays(device: torch.device) -> bool:
+    return norm_fold_pays(torch.cuda.get_device_name(device))
+
+
 def fuses_norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the norm between two projections of ``weight``'s dtype should be folded into
     their GEMVs (``linear_add``, then ``linear(norm=)``) for activations like ``x`` [T, K]:
-    CUDA, decode batch sizes, 16-bit or float8 e4m3 weights. H100, 2026-11-28
+    CUDA on a GPU where it measured faster (``NORM_FOLD_DEVICES``), decode batch sizes, 16-bit
+    or float8 e4m3 weights. H100, 2026-11-28
     (docs/benchmarks/fp8.md, sessions 25 and 27), M = 1, Llama-3.1-8B shapes, µs without / with
     the fold's part: bf16 o_proj 12.80 / 13.06, down 39.72 / 40.07, qkv 18.29 / 18.68, gate_up
     76.09 / 76.32 (bench decode: 1.0-1.4% faster a step at 4K-128K); fp8 per channel qkv 10.91
@@ -888,7 +912,8 @@ def fuses_norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
     with ``max_regs_for``'s cap; 11.71 and 32.30 without it); bench decode over fp8 weights and
     an fp8 cache 1.1 / 1.5 / 1.1% faster a step at 4K / 32K / 128K."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
-            and weight.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn))  # fmt: skip
+            and weight.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+            and _norm_fold_pays(x.device))  # fmt: skip
 
 
 def linear_add(
