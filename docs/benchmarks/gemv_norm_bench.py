@@ -4,7 +4,7 @@ qkv and gate/up: ``norm=``, x times the norm's weight and 1/rms on the sums), bf
 per-channel weights, under CUDA-graph replay, weights rotated over copies larger than L2.
 
     python3 docs/benchmarks/gemv_norm_bench.py [--json FILE] [--no-chain] [--only fp8:o_proj,...]
-        [--max-regs N]
+        [--max-regs N] [--parts 1,512,1024]
     python3 docs/benchmarks/gemv_norm_bench.py --once fp8:o_proj   # for a profiler: three
         eager calls without the fold's part, then three with it (no graph, no timing)
 """
@@ -63,7 +63,14 @@ def main() -> None:
         type=int,
         help="ptxas's register cap (0: its own choice; default: kernels.gemv.max_regs_for)",
     )
+    parser.add_argument(
+        "--parts",
+        default="256",
+        help="P[,P...]: the normed GEMVs (qkv, gate/up) read P partial sums of squares a row "
+        "(the engine's: one per tile of the producer, o_proj's or down's); each P timed",
+    )
     args = parser.parse_args()
+    parts = [int(p) for p in args.parts.split(",")]
     chain = not args.no_chain
     picked = args.once or args.only  # LAYOUT:SHAPE[,...]
     pick = {tuple(p.split(":")) for p in picked.split(",")} if picked else None
@@ -81,24 +88,26 @@ def main() -> None:
                 ws.append(quantize_per_channel(w) if layout == "fp8" else (w.to(dt), None))
             x = torch.randn(1, k, device=dev, dtype=dt)
             res = torch.randn(1, n if act is None else n // 2, device=dev, dtype=dt)
-            sums = torch.rand(1, 256, device=dev)
-            norm = RowNorm(sums, torch.ones(k, device=dev, dtype=dt), 1e-5)
-
             plain = _calls(x, ws, act, {}, chain, args.max_regs)
-            part = {"norm": norm} if role == "norm" else {"residual": res}
-            fused = _calls(x, ws, act, part, chain, args.max_regs)
-            if args.once:  # the profiler's launches: _linear_kernel 1-3 plain, 4-6 with the part
-                for f in (plain, plain, plain, fused, fused, fused):
-                    f(0)
-                torch.cuda.synchronize()
-                return
-            a, b, a2, b2 = (time_us(f, copies) for f in (plain, fused, plain, fused))
-            row = dict(layout=layout, shape=name, role=role, chain=chain, max_regs=args.max_regs,
-                       plain_us=min(a, a2), fused_us=min(b, b2),
-                       gb_s=nbytes / min(a, a2) / 1e3)  # fmt: skip
-            rows.append(row)
-            print(f"{layout:5} {name:8} {role:8} plain {row['plain_us']:7.2f} us  "
-                  f"fused {row['fused_us']:7.2f} us  ({row['gb_s']:.0f} GB/s plain)")  # fmt: skip
+            for p in parts if role == "norm" else parts[:1]:
+                sums = torch.rand(1, p, device=dev)
+                norm = RowNorm(sums, torch.ones(k, device=dev, dtype=dt), 1e-5)
+                part = {"norm": norm} if role == "norm" else {"residual": res}
+                fused = _calls(x, ws, act, part, chain, args.max_regs)
+                if args.once:  # the profiler's launches: _linear_kernel 1-3 plain, 4-6 fused
+                    for f in (plain, plain, plain, fused, fused, fused):
+                        f(0)
+                    torch.cuda.synchronize()
+                    return
+                a, b, a2, b2 = (time_us(f, copies) for f in (plain, fused, plain, fused))
+                row = dict(layout=layout, shape=name, role=role, chain=chain,
+                           max_regs=args.max_regs, parts=p if role == "norm" else None,
+                           plain_us=min(a, a2), fused_us=min(b, b2),
+                           gb_s=nbytes / min(a, a2) / 1e3)  # fmt: skip
+                rows.append(row)
+                what = f"{role} P={p}" if role == "norm" else role
+                print(f"{layout:5} {name:8} {what:10} plain {row['plain_us']:7.2f} us  fused "
+                      f"{row['fused_us']:7.2f} us  ({row['gb_s']:.0f} GB/s plain)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
