@@ -879,7 +879,8 @@ def linear(
 
 
 # GPUs on which folding the norms into the GEMVs (``fuses_norms``) measured faster, by a
-# substring of their names: the H100 SXM (below). Not the H200 (2026-11-28, session 28, bench
+# substring of their names: the H100 SXM (below; torch names it "NVIDIA H100 80GB HBM3"; the
+# PCIe and NVL H100s, other memory, were not measured). Not the H200 (2026-11-28, session 28, bench
 # decode as below, runs alternated with the fold turned off): bf16 3.4 / 2.9 / 1.5% slower a
 # step at 4K / 32K / 128K (4.34 / 5.16 / 7.93 ms against 4.20 / 5.01 / 7.81); fp8 weights and
 # cache level at 4K and 32K (within the runs' 3% spread), 1% faster at 128K. Its GEMVs alone
@@ -887,7 +888,7 @@ def linear(
 # normed GEMVs' loads of the producer's tile sums (512-1,024 floats a row, each program) no
 # longer hide under the faster weight stream (qkv +1.6 us, gate/up +2.9; with one sum a row
 # +0.4 and +0.9). Other GPUs: not measured, not folded.
-NORM_FOLD_DEVICES = ("H100",)
+NORM_FOLD_DEVICES = ("H100 80GB HBM3",)
 
 
 def norm_fold_pays(device_name: str) -> bool:

@@ -261,11 +261,12 @@ def test_cuda_graph_replay(m):
 
 
 def test_the_fold_is_taken_where_it_measured_faster():
-    """By the GPU's name: the H100 (measured faster), not the H200 (slower) nor GPUs never
-    measured."""
+    """By the GPU's name: the H100 SXM (measured faster), not the H200 (slower) nor GPUs never
+    measured (other H100s among them)."""
     assert norm_fold_pays("NVIDIA H100 80GB HBM3")
     assert not norm_fold_pays("NVIDIA H200")
-    assert not norm_fold_pays("NVIDIA A100-SXM4-80GB")
+    for name in ("NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"):
+        assert not norm_fold_pays(name), name
 
 
 @pytest.mark.gpu
