@@ -880,14 +880,14 @@ def linear(
 
 # GPUs on which folding the norms into the GEMVs (``fuses_norms``) measured faster, by a
 # substring of their names: the H100 SXM (below; torch names it "NVIDIA H100 80GB HBM3"; the
-# PCIe and NVL H100s, other memory, were not measured). Not the H200 (2026-11-28, session 28, bench
-# decode as below, runs alternated with the fold turned off): bf16 3.4 / 2.9 / 1.5% slower a
-# step at 4K / 32K / 128K (4.34 / 5.16 / 7.93 ms against 4.20 / 5.01 / 7.81); fp8 weights and
-# cache level at 4K and 32K (within the runs' 3% spread), 1% faster at 128K. Its GEMVs alone
-# (gemv_norm_bench.py) take +4.0 us a layer for the fold's parts against the H100's +1.2: the
-# normed GEMVs' loads of the producer's tile sums (512-1,024 floats a row, each program) no
-# longer hide under the faster weight stream (qkv +1.6 us, gate/up +2.9; with one sum a row
-# +0.4 and +0.9). Other GPUs: not measured, not folded.
+# PCIe and NVL H100s, with other memory, were not measured). Not the H200 (2026-11-28,
+# session 28, bench decode as below, runs alternated with the fold turned off): bf16 3.4 /
+# 2.9 / 1.5% slower a step at 4K / 32K / 128K (4.34 / 5.16 / 7.93 ms against 4.20 / 5.01 /
+# 7.81); fp8 weights and cache level at 4K and 32K (within the runs' 3% spread), 1% faster at
+# 128K. Its GEMVs alone (gemv_norm_bench.py) take +4.0 us a layer for the fold's parts against
+# the H100's +1.2: the normed GEMVs' loads of the producer's tile sums (512-1,024 floats a row,
+# each program) no longer hide under the faster weight stream (qkv +1.6 us, gate/up +2.9; with
+# one sum a row +0.4 and +0.9). Other GPUs: not measured, not folded.
 NORM_FOLD_DEVICES = ("H100 80GB HBM3",)
 
 
