@@ -6,8 +6,9 @@
 # - writes the machine, versions and the tree (TREE, the commit the caller names) to
 #   $OUT/env-<script>.txt;
 # - defines `step NAME CAP CMD...` (CMD under `timeout min(CAP, time left)`, its output in
-#   $OUT/NAME.log, one status line printed) and `pack` (every file under $OUT into all.tgz: at
-#   most 8 files come back). LIMIT (seconds, default 570) is the script's budget.
+#   $OUT/NAME.log, one status line printed), `ms_steps NAME...` (bench decode's ms a step
+#   from $OUT/NAME.json) and `pack` (every file under $OUT into all.tgz: at most 8 files come
+#   back). LIMIT (seconds, default 570) is the script's budget.
 export PYTHONUNBUFFERED=1
 if [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -43,6 +44,19 @@ step() {
   local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - s ))s :: $(grep -E 'passed|failed|error' \
 "$OUT/$name.log" | tail -1 | cut -c1-150)"
+}
+
+# `ms_steps NAME...`: each bench decode run's ms a step by context, from $OUT/NAME.json
+ms_steps() {
+  python3 - "$@" <<'PY'
+import json, os, sys
+for f in sys.argv[1:]:
+    try:
+        d = json.load(open(f"{os.environ['OUT']}/{f}.json"))
+        print(f, [(p["context"], round(p["ours"]["ms_per_step"], 4)) for p in d["points"]])
+    except Exception as e:
+        print(f, "no result:", e)
+PY
 }
 
 pack() { (cd "$OUT" && tar czf all.tgz --exclude all.tgz ./* && find . -type f ! -name all.tgz -delete); }

@@ -16,15 +16,6 @@ step tp1 80 $B --json "$OUT/tp1.json"
 step tp2_base_b 85 $BASE $B $F --json "$OUT/tp2_base_b.json"
 step tp2_new_b 85 $B $F --json "$OUT/tp2_new_b.json"
 step tp_tests 170 python3 -m pytest -q -m gpu tests/test_tp_gpu.py
-python3 - <<'PY'
-import json, os
-out = os.environ["OUT"]
-for f in ("tp2_base_a", "tp2_new_a", "tp1", "tp2_base_b", "tp2_new_b"):
-    try:
-        d = json.load(open(f"{out}/{f}.json"))
-        print(f, [(p["context"], round(p["ours"]["ms_per_step"], 4)) for p in d["points"]])
-    except Exception as e:
-        print(f, "no result:", e)
-PY
+ms_steps tp2_base_a tp2_new_a tp1 tp2_base_b tp2_new_b
 tail -2 "$OUT/tp_tests.log"
 pack

@@ -25,14 +25,5 @@ step tp2_nowait_b 85 $NOWAIT $B $F --json "$OUT/tp2_nowait_b.json"
 P="--context 32768 --steps 16 --no-pdl-chain"
 step prof 70 $B $F $P --profile "$OUT/prof"
 step prof_nowait 70 $NOWAIT $B $F $P --profile "$OUT/prof-nowait"
-python3 - <<'PY'
-import json, os
-out = os.environ["OUT"]
-for f in ("tp2_a", "tp2_nowait_a", "tp1", "tp2_b", "tp2_nowait_b"):
-    try:
-        d = json.load(open(f"{out}/{f}.json"))
-        print(f, [(p["context"], round(p["ours"]["ms_per_step"], 4)) for p in d["points"]])
-    except Exception as e:
-        print(f, "no result:", e)
-PY
+ms_steps tp2_a tp2_nowait_a tp1 tp2_b tp2_nowait_b
 pack
