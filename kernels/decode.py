@@ -495,6 +495,18 @@ class DecodeTuning:
     # two H100s TP=2 32K 4.099 / 4.086 (2026-11-28, decode.md).
     short_split_tiles: tuple[int, int, int] | None = (64, 4, 3)
     short_split_tokens: tuple[int, int] = (128, 1024)
+    # Stage 1's tiles over 16-bit caches at head dims up to 128 (decode_config's class) where a
+    # call's rows (batch x KV heads) are at most the SM count, so that the split heuristic
+    # gives each SM one program of them; None: decode_config's (and short_split_tiles). Not
+    # in split_size mode (its tiles never depend on the batch). Set per GPU where measured
+    # (``decode_tuning_for``). H200, `kernels.bench` graph replay, page 128, µs, today's plan /
+    # (128, 4, 3) (2026-11-28, docs/benchmarks/decode.md session 29): 32/8 heads B=1 4K 9.85 /
+    # 9.41, 32K 37.1 / 35.5, 128K 125.9 / 123.8; B=2/32K 66.2 / 65.9, B=4/32K 125.1 / 123.4,
+    # B=8/16K 124.9 / 123.0, B=16/32K 477.7 / 468.1, B=16/4K 65.8 / 62.8; 256 rows (B=32/4K)
+    # 123.2 / 125.5 (a second wave); 16/4 heads (TP=2) B=1 32K 23.9 / 21.4, 128K 68.7 / 66.4.
+    # bench decode dummy:llama3.1-8b batch 1, ms a step, HEAD / these tiles: TP=1 32K 5.087 /
+    # 5.033, 128K 7.937 / 7.876, 4K level; TP=2 fused 32K 3.189 / 3.136, 128K 4.664 / 4.573.
+    few_rows_tiles: tuple[int, int, int] | None = None
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
     # second, mostly empty wave costs 20-30%: H200, B=8/16K, 8 splits 132 µs, 12 splits 168).
     # (64, 4, 3), B=1: 2 per SM (32 splits) beat 3 per SM (48) at 4K 12.3 / 13.1 µs, 16K 29.4
@@ -539,7 +551,7 @@ class DecodeTuning:
             _check_tiles(self.tiles)
         object.__setattr__(self, "wide_tiles", tuple(self.wide_tiles))
         _check_tiles(self.wide_tiles, "wide_tiles")
-        for name in ("fp8_tiles", "short_split_tiles"):
+        for name in ("fp8_tiles", "short_split_tiles", "few_rows_tiles"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
                 _check_tiles(getattr(self, name), name)
@@ -594,6 +606,25 @@ def _is_pow2(n: int) -> bool:
 
 
 DEFAULT_DECODE_TUNING = DecodeTuning()
+# The tuning of the GPUs whose measurements differ from DEFAULT_DECODE_TUNING's (H100), by a
+# part of the device's name; the first that matches wins (``decode_tuning_for``).
+DEVICE_DECODE_TUNING: tuple[tuple[str, DecodeTuning], ...] = (
+    ("H200", DecodeTuning(few_rows_tiles=(128, 4, 3))),
+)
+
+
+def decode_tuning_for(device_name: str) -> DecodeTuning:
+    """The measured tuning of a GPU of this name (``DEVICE_DECODE_TUNING``), else
+    ``DEFAULT_DECODE_TUNING``."""
+    return next((t for part, t in DEVICE_DECODE_TUNING if part in device_name),
+                DEFAULT_DECODE_TUNING)  # fmt: skip
+
+
+@functools.cache
+def _device_tuning(device: torch.device) -> DecodeTuning:
+    if device.type != "cuda":
+        return DEFAULT_DECODE_TUNING
+    return decode_tuning_for(torch.cuda.get_device_name(device))
 
 
 class SplitPlan(NamedTuple):
@@ -710,7 +741,14 @@ def plan_splits(
     at its window's first token rounded down to a tile, so up to ``window + BLOCK_N - 1``
     tokens: the split count of ``split_size`` mode counts those, so that every split is
     ``split_size`` long whatever the row's alignment (batch invariance)."""
-    tiles = tuning.tiles or fit_smem(decode_config(head_dim, tuning, fp8), head_dim, itemsize, fp8)
+    own = head_dim > 128 or (fp8 and tuning.fp8_tiles is not None)  # not the 16-bit tiles
+    few = (tuning.tiles is None and tuning.few_rows_tiles is not None and not own
+           and split_size is None and batch * num_kv_heads <= num_sms)  # fmt: skip
+    if few:
+        tiles = fit_smem(tuning.few_rows_tiles, head_dim, itemsize, fp8)
+    else:
+        tiles = tuning.tiles or fit_smem(decode_config(head_dim, tuning, fp8), head_dim,
+                                         itemsize, fp8)  # fmt: skip
     block_n = tiles[0]
     span = min(max_seq_len, window) if window > 0 else max_seq_len
     if split_size is not None:
@@ -730,17 +768,16 @@ def plan_splits(
         # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
         min_split = math.ceil(shortest / block_n) * block_n
     split_tokens = max(min_split, math.ceil(span / splits / block_n) * block_n)
-    if tuning.tiles is None and _short_splits(head_dim, fp8, split_tokens, tuning):
+    if tuning.tiles is None and not few and not own and _short_splits(split_tokens, tuning):
         tiles = fit_smem(tuning.short_split_tiles, head_dim, itemsize, fp8)
     return SplitPlan(splits, min_split, tiles)
 
 
-def _short_splits(head_dim: int, fp8: bool, split_tokens: int, tuning: DecodeTuning) -> bool:
-    """Whether a plan of ``split_tokens``-token splits takes ``tuning.short_split_tiles`` in
-    place of ``decode_config``'s 16-bit tiles (head dims up to 128, no fp8 tiles)."""
+def _short_splits(split_tokens: int, tuning: DecodeTuning) -> bool:
+    """Whether a plan of ``split_tokens``-token splits on ``decode_config``'s 16-bit tiles
+    takes ``tuning.short_split_tiles`` in their place."""
     lo, hi = tuning.short_split_tokens
-    own = head_dim > 128 or (fp8 and tuning.fp8_tiles is not None)
-    return tuning.short_split_tiles is not None and not own and lo < split_tokens <= hi
+    return tuning.short_split_tiles is not None and lo < split_tokens <= hi
 
 
 # one per (sequence, KV head): the last stage-1 program of each merges the splits
@@ -764,7 +801,7 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     split_size: int | None = None,
-    tuning: DecodeTuning = DEFAULT_DECODE_TUNING,
+    tuning: DecodeTuning | None = None,
     chain: bool = True,
     window: int = 0,
     softcap: float = 0.0,
@@ -777,7 +814,8 @@ def decode_attention(
     None): it sizes the grid and must not change between CUDA-graph replays. ``num_splits``
     overrides the split heuristic; ``split_size`` (a multiple of the KV tile: 64, or 128 over
     an fp8 cache with 16-bit queries, ``DecodeTuning.fp8_tiles``) fixes the tokens per split.
-    ``tuning``: the kernel's tuning choices (``DecodeTuning``). ``chain``: join the decode
+    ``tuning``: the kernel's tuning choices (``DecodeTuning``; None: the device's,
+    ``decode_tuning_for``). ``chain``: join the decode
     layer's PDL chain where the device supports it (``kernels.common``).
     ``window`` > 0: each row attends to its last ``window`` tokens only (and reads only their
     pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
@@ -800,6 +838,8 @@ def decode_attention(
     if bsz == 0:
         return (out, lse) if return_lse else out
 
+    if tuning is None:
+        tuning = _device_tuning(q.device)
     itemsize = k_cache.element_size()
     fp8 = is_fp8(k_cache)
     f16_dots = fp8 and q.dtype != torch.float32  # the fp8 tiles' plan (plan_splits)

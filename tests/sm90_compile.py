@@ -424,6 +424,9 @@ def summary(kernel) -> dict:
 
 VARIANTS = {
     "decode-bf16": lambda: decode_kernel(False),
+    "decode-bf16-few-rows": lambda: decode_kernel(  # the H200's (DecodeTuning.few_rows_tiles)
+        False, tiles=decode.decode_tuning_for("H200").few_rows_tiles
+    ),
     "decode-fp8": lambda: decode_kernel(True),
     "decode-fp8-fp16": lambda: decode_kernel(True, dt="fp16"),
     "decode-fp8-d256-window-softcap": lambda: decode_kernel(True, d=256, WINDOWED=True,

@@ -12,7 +12,7 @@ from compile_reports import sm90_reports
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    return sm90_reports("decode-bf16", "decode-fp8", "rope")
+    return sm90_reports("decode-bf16", "decode-fp8", "rope")  # prefixes: decode-bf16-few-rows
 
 
 def test_rope_lets_the_decode_kernel_launch_before_its_wait(compiled):
@@ -21,7 +21,9 @@ def test_rope_lets_the_decode_kernel_launch_before_its_wait(compiled):
         assert compiled[name]["before_wait"]["loads"] == [], name
 
 
-@pytest.mark.parametrize("name", ["decode-bf16", "decode-fp8", "decode-fp8-d256-window-softcap"])
+@pytest.mark.parametrize(
+    "name", ["decode-bf16", "decode-bf16-few-rows", "decode-fp8", "decode-fp8-d256-window-softcap"]
+)
 def test_decode_reads_only_step_inputs_before_its_wait(compiled, name):
     row = compiled[name]
     assert row["pdl"] == ["wait", "launch_dependents"], row["pdl"]

@@ -208,6 +208,59 @@ def test_decode_plan_takes_a_stage_fewer_for_short_splits_only():
         DecodeTuning(short_split_tiles=(48, 4, 3))
 
 
+def test_decode_plan_takes_few_rows_tiles_where_the_rows_fit_the_sms():
+    """few_rows_tiles replace decode_config's 16-bit tiles (and short_split_tiles) where batch x
+    KV heads is at most the SM count, and the splits follow their one program an SM; more rows,
+    split_size mode, explicit tiles, fp8 and wide tiles keep their own. The H200 sets them
+    (decode_tuning_for), other GPUs keep DEFAULT_DECODE_TUNING's plan."""
+    from kernels.decode import (
+        DEFAULT_DECODE_TUNING,
+        decode_tuning_for,
+        num_splits_for,
+        plan_splits,
+    )
+
+    few = (128, 4, 3)
+    tuning = DecodeTuning(few_rows_tiles=few)
+    for batch, hkv, ctx in ((1, 4, 32800), (1, 8, 131166), (16, 8, 4096), (33, 4, 65536)):
+        plan = plan_splits(batch, hkv, 128, 2, ctx, 132, tuning)
+        assert plan.tiles == few, (batch, hkv, plan)
+        assert plan.splits == num_splits_for(batch, hkv, ctx, 132, 128, 1), (batch, hkv, plan)
+    assert plan_splits(1, 4, 128, 2, 32800, 132, tuning).splits == 33  # 132 programs
+    for batch, hkv in ((32, 8), (34, 4)):  # 256 / 136 rows: DEFAULT_DECODE_TUNING's plan
+        assert plan_splits(batch, hkv, 128, 2, 4096, 132, tuning) == plan_splits(
+            batch, hkv, 128, 2, 4096, 132
+        )
+    for kw in ({"split_size": 512}, {}):
+        other = DecodeTuning(few_rows_tiles=few, tiles=(32, 4, 2)) if not kw else tuning
+        assert plan_splits(1, 4, 128, 2, 32768, 132, other, **kw).tiles != few, kw
+    assert plan_splits(1, 4, 128, 1, 32768, 132, tuning, fp8=True).tiles == tuning.fp8_tiles
+    assert plan_splits(1, 4, 256, 2, 32768, 132, tuning).tiles == tuning.wide_tiles
+    assert plan_splits(1, 4, 128, 2, 32768, 132, tuning, num_splits=8) == (8, 128, few)
+    assert plan_splits(1, 4, 128, 4, 32768, 132, tuning).tiles == (64, 4, 3)  # fits smem
+    assert decode_tuning_for("NVIDIA H200").few_rows_tiles == few
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", ""):
+        assert decode_tuning_for(name) is DEFAULT_DECODE_TUNING, name
+    with pytest.raises(ValueError, match="few_rows_tiles"):
+        DecodeTuning(few_rows_tiles=(96, 4, 3))
+
+
+def test_decode_few_rows_tiles_match_the_reference():
+    """Two sequences of 2 KV heads (4 rows, the interpreter's 4 SMs) on few_rows_tiles, with
+    the heuristic's split (one) and with 3 (merged), against the reference."""
+    lens = [700, 1000]
+    kv = Paged(lens, 2, 64, 16, torch.float16)
+    q = torch.randn(len(lens), 8, 64, device=DEVICE).half()
+    ref_out, ref_lse = decode_ref(q, kv, 0.125)
+    tuning = DecodeTuning(few_rows_tiles=(128, 4, 3))
+    for splits in (None, 3):
+        out, lse = decode_attention(q, kv.k, kv.v, kv.seq_lens, kv.block_tables, 0.125,
+                                    max_seq_len=1024, return_lse=True, num_splits=splits,
+                                    tuning=tuning)  # fmt: skip
+        assert_close(out, ref_out, TOL[torch.float16], f"few rows, {splits} splits")
+        assert_close(lse, ref_lse, LSE_TOL[torch.float16], f"few rows lse, {splits} splits")
+
+
 def test_decode_tiles_fit_shared_memory():
     """The measured tiles are for 2-byte caches: a float32 cache at head dim 256 takes narrower
     tiles that fit sm_90's 227 KB (the H100 refused (64, 4, 3) there: 282,688 bytes), the rest

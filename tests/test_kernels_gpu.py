@@ -137,7 +137,8 @@ def test_decode_page_and_tile_edges_bf16(page):
     q = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)
     ref = reference.decode_attention(q.float(), k.float(), v.float(), sl, bt, 0.088)
     for kw in ({}, {"num_splits": 1}, {"split_size": 512},
-               {"tuning": DecodeTuning(tiles=(128, 4, 2))}):  # fmt: skip
+               {"tuning": DecodeTuning(tiles=(128, 4, 2))},
+               {"tuning": DecodeTuning(few_rows_tiles=(128, 4, 3))}):  # fmt: skip
         out = decode_attention(q, k, v, sl, bt, 0.088, max_seq_len=4096, **kw)
         assert_close(out, ref, BF16_TOL, f"decode {page=} {kw}")
 
