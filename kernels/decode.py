@@ -46,14 +46,15 @@ output and LSE keep the queries' dtype and float32. Without fp8 the kernel compi
 before.
 
 Tuning is a value, ``DecodeTuning`` (``tuning=``; ``DEFAULT_DECODE_TUNING`` holds the measured
-choices); variants that lost their measurements are gone, their numbers kept in
-docs/benchmarks/kernels-notes.md ("Deleted variants"). On sm_90+ the kernel uses programmatic
-dependent launch: it is scheduled while its predecessor (``rope_write_kv``) runs and waits for
-it in-kernel (``gdc_wait``) before touching memory; with ``chain=`` (the decode layer's PDL
-chain, ``kernels.common``) it first asks L2 for each split's first KV tile where its cache
-takes that (``DecodeTuning.prefetch_for``: fp8 caches and head dims over 128; the cache's
-earlier rows, the block tables and lengths are the step's inputs, there before the step
-starts), then waits, and lets the next kernel launch once its KV loop is done.
+choices, ``DEVICE_DECODE_TUNING`` those of GPUs that measured otherwise, which a call with no
+``tuning`` takes on such a GPU); variants that lost their measurements are gone, their numbers kept
+in docs/benchmarks/kernels-notes.md ("Deleted variants"). On sm_90+ the kernel uses programmatic
+dependent launch: it is scheduled while its predecessor (``rope_write_kv``) runs and waits for it
+in-kernel (``gdc_wait``) before touching memory; with ``chain=`` (the decode layer's PDL chain,
+``kernels.common``) it first asks L2 for each split's first KV tile where its cache takes that
+(``DecodeTuning.prefetch_for``: fp8 caches and head dims over 128; the cache's earlier rows, the
+block tables and lengths are the step's inputs, there before the step starts), then waits, and lets
+the next kernel launch once its KV loop is done.
 """
 
 from __future__ import annotations
