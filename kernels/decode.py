@@ -505,7 +505,7 @@ class DecodeTuning:
     # 9.41, 32K 37.1 / 35.5, 128K 125.9 / 123.8; B=2/32K 66.2 / 65.9, B=4/32K 125.1 / 123.4,
     # B=8/16K 124.9 / 123.0, B=16/32K 477.7 / 468.1, B=16/4K 65.8 / 62.8; 256 rows (B=32/4K)
     # 123.2 / 125.5 (a second wave); 16/4 heads (TP=2) B=1 32K 23.9 / 21.4, 128K 68.7 / 66.4.
-    # bench decode dummy:llama3.1-8b batch 1, ms a step, HEAD / these tiles: TP=1 32K 5.087 /
+    # bench decode dummy:llama3.1-8b batch 1, ms a step, cf1a527 / these tiles: TP=1 32K 5.087 /
     # 5.033, 128K 7.937 / 7.876, 4K level; TP=2 fused 32K 3.189 / 3.136, 128K 4.664 / 4.573.
     few_rows_tiles: tuple[int, int, int] | None = None
     # Stage-1 programs per SM the split heuristic aims for, never more than fit at once (a
@@ -816,8 +816,8 @@ def decode_attention(
     overrides the split heuristic; ``split_size`` (a multiple of the KV tile: 64, or 128 over
     an fp8 cache with 16-bit queries, ``DecodeTuning.fp8_tiles``) fixes the tokens per split.
     ``tuning``: the kernel's tuning choices (``DecodeTuning``; None: the device's,
-    ``decode_tuning_for``). ``chain``: join the decode
-    layer's PDL chain where the device supports it (``kernels.common``).
+    ``decode_tuning_for``). ``chain``: join the decode layer's PDL chain where the device
+    supports it (``kernels.common``).
     ``window`` > 0: each row attends to its last ``window`` tokens only (and reads only their
     pages); ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; both are the
     layer's host values (0: off), fixed for a captured graph. An fp8 cache (``float8_e4m3fn``

@@ -237,7 +237,7 @@ def test_decode_plan_takes_few_rows_tiles_where_the_rows_fit_the_sms():
     assert plan_splits(1, 4, 128, 1, 32768, 132, tuning, fp8=True).tiles == tuning.fp8_tiles
     assert plan_splits(1, 4, 256, 2, 32768, 132, tuning).tiles == tuning.wide_tiles
     assert plan_splits(1, 4, 128, 2, 32768, 132, tuning, num_splits=8) == (8, 128, few)
-    assert plan_splits(1, 4, 128, 4, 32768, 132, tuning).tiles == (64, 4, 3)  # fits smem
+    assert plan_splits(1, 4, 128, 4, 32768, 132, tuning).tiles == (64, 4, 3)  # float32: fit_smem
     assert decode_tuning_for("NVIDIA H200").few_rows_tiles == few
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", ""):
         assert decode_tuning_for(name) is DEFAULT_DECODE_TUNING, name
@@ -247,7 +247,7 @@ def test_decode_plan_takes_few_rows_tiles_where_the_rows_fit_the_sms():
 
 def test_decode_few_rows_tiles_match_the_reference():
     """Two sequences of 2 KV heads (4 rows, the interpreter's 4 SMs) on few_rows_tiles, with
-    the heuristic's split (one) and with 3 (merged), against the reference."""
+    the heuristic's splits (two) and with 3, merged, against the reference."""
     lens = [700, 1000]
     kv = Paged(lens, 2, 64, 16, torch.float16)
     q = torch.randn(len(lens), 8, 64, device=DEVICE).half()
