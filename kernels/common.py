@@ -14,6 +14,22 @@ import triton.language as tl
 from kernels.kv_quant import check_kv_scales
 
 
+def measured_for(device_name: str, table: tuple, default):
+    """The value a per-GPU tuning table (``(part of a GPU's name, value)`` pairs, the first
+    match wins) holds for a GPU of this name, else ``default``: the choices that measured
+    differently on some GPUs (``kernels.decode.DEVICE_DECODE_TUNING``,
+    ``kernels.gemv.NORM_FOLD_DEVICES``)."""
+    return next((value for part, value in table if part in device_name), default)
+
+
+@functools.cache
+def measured_on(device: torch.device, table: tuple, default):
+    """``measured_for`` of the device's GPU (``default`` off CUDA), once a device and table."""
+    if device.type != "cuda":
+        return default
+    return measured_for(torch.cuda.get_device_name(device), table, default)
+
+
 @functools.cache
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":

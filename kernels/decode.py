@@ -76,6 +76,8 @@ from kernels.common import (
     check_kv_pages,
     check_window_softcap,
     f16_queries,
+    measured_for,
+    measured_on,
     pdl_wait,
     softcap_factors,
     softcap_log2,
@@ -617,15 +619,7 @@ DEVICE_DECODE_TUNING: tuple[tuple[str, DecodeTuning], ...] = (
 def decode_tuning_for(device_name: str) -> DecodeTuning:
     """The measured tuning of a GPU of this name (``DEVICE_DECODE_TUNING``), else
     ``DEFAULT_DECODE_TUNING``."""
-    return next((t for part, t in DEVICE_DECODE_TUNING if part in device_name),
-                DEFAULT_DECODE_TUNING)  # fmt: skip
-
-
-@functools.cache
-def _device_tuning(device: torch.device) -> DecodeTuning:
-    if device.type != "cuda":
-        return DEFAULT_DECODE_TUNING
-    return decode_tuning_for(torch.cuda.get_device_name(device))
+    return measured_for(device_name, DEVICE_DECODE_TUNING, DEFAULT_DECODE_TUNING)
 
 
 class SplitPlan(NamedTuple):
@@ -650,9 +644,16 @@ def decode_config(
     at 129-1,024-token splits only: ``plan_splits`` takes ``tuning.short_split_tiles`` for
     plans of such splits (the measurements beside that field). Head dims over 128:
     ``tuning.wide_tiles``; an fp8 cache read with f16 dots: ``tuning.fp8_tiles`` when set."""
-    if head_dim > 128:
-        return tuning.wide_tiles
-    return tuning.fp8_tiles if fp8 and tuning.fp8_tiles is not None else _TILES_16BIT
+    if not _own_tiles(head_dim, fp8, tuning):
+        return _TILES_16BIT
+    return tuning.wide_tiles if head_dim > 128 else tuning.fp8_tiles
+
+
+def _own_tiles(head_dim: int, fp8: bool, tuning: DecodeTuning) -> bool:
+    """Whether a call takes tiles of its own class (head dims over 128: ``wide_tiles``; an
+    fp8 cache read with f16 dots: ``fp8_tiles`` when set), not the 16-bit caches' that
+    ``short_split_tiles`` and ``few_rows_tiles`` replace."""
+    return head_dim > 128 or (fp8 and tuning.fp8_tiles is not None)
 
 
 def fit_smem(
@@ -742,7 +743,7 @@ def plan_splits(
     at its window's first token rounded down to a tile, so up to ``window + BLOCK_N - 1``
     tokens: the split count of ``split_size`` mode counts those, so that every split is
     ``split_size`` long whatever the row's alignment (batch invariance)."""
-    own = head_dim > 128 or (fp8 and tuning.fp8_tiles is not None)  # not the 16-bit tiles
+    own = _own_tiles(head_dim, fp8, tuning)
     few = (tuning.tiles is None and tuning.few_rows_tiles is not None and not own
            and split_size is None and batch * num_kv_heads <= num_sms)  # fmt: skip
     if few:
@@ -840,7 +841,7 @@ def decode_attention(
         return (out, lse) if return_lse else out
 
     if tuning is None:
-        tuning = _device_tuning(q.device)
+        tuning = measured_on(q.device, DEVICE_DECODE_TUNING, DEFAULT_DECODE_TUNING)
     itemsize = k_cache.element_size()
     fp8 = is_fp8(k_cache)
     f16_dots = fp8 and q.dtype != torch.float32  # the fp8 tiles' plan (plan_splits)

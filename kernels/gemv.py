@@ -70,7 +70,6 @@ its own), so replays need no memset. Calls on one device must not overlap in tim
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -78,7 +77,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import gate_act, gelu_tanh_and_mul, silu_and_mul
-from kernels.common import SplitCounters, pdl_enter, pdl_kwargs
+from kernels.common import SplitCounters, measured_for, measured_on, pdl_enter, pdl_kwargs
 from kernels.common import num_sms as _num_sms
 from kernels.fold import AllReduceFold, fold_call, fold_send
 from kernels.fp8 import fp8_linear
@@ -888,17 +887,12 @@ def linear(
 # the H100's +1.2: the normed GEMVs' loads of the producer's tile sums (512-1,024 floats a row,
 # each program) no longer hide under the faster weight stream (qkv +1.6 us, gate/up +2.9; with
 # one sum a row +0.4 and +0.9). Other GPUs: not measured, not folded.
-NORM_FOLD_DEVICES = ("H100 80GB HBM3",)
+NORM_FOLD_DEVICES = (("H100 80GB HBM3", True),)  # kernels.common.measured_for's table form
 
 
 def norm_fold_pays(device_name: str) -> bool:
     """Whether ``fuses_norms`` folds on a GPU of this name (``NORM_FOLD_DEVICES``)."""
-    return any(part in device_name for part in NORM_FOLD_DEVICES)
-
-
-@functools.cache
-def _norm_fold_pays(device: torch.device) -> bool:
-    return norm_fold_pays(torch.cuda.get_device_name(device))
+    return measured_for(device_name, NORM_FOLD_DEVICES, False)
 
 
 def fuses_norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -914,7 +908,7 @@ def fuses_norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
     an fp8 cache 1.1 / 1.5 / 1.1% faster a step at 4K / 32K / 128K."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
             and weight.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-            and _norm_fold_pays(x.device))  # fmt: skip
+            and measured_on(x.device, NORM_FOLD_DEVICES, False))  # fmt: skip
 
 
 def linear_add(
