@@ -163,12 +163,19 @@ def fold_recv(Recv, stride_recv, offs, mask, Calls, Status, spin_limit, DTYPE: t
     """A norm program's half of call ``k``: advance the rank's counter by its share (the old
     value gives ``k``), re-read (volatile) its row's words ``Recv + k % 2 * stride_recv +
     offs`` until every one under ``mask`` carries the tag of ``k``, or ``spin_limit`` reads
-    (then ``status`` gets the tag); the values, in ``DTYPE``."""
+    (then ``status`` gets the tag); the values, in ``DTYPE``.
+
+    The first read takes both slots' words, issued before the counter's add, so that the
+    three round trips to L2 overlap instead of following one another (the add's result picks
+    the slot); the other slot's words (call ``k - 1``'s, or ``k + 1``'s being written) are
+    dropped, and a word is taken only with this call's tag, as before."""
+    first0 = tl.load(Recv + offs, mask=mask, other=0, volatile=True)
+    first1 = tl.load(Recv + stride_recv + offs, mask=mask, other=0, volatile=True)
     n = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     k = tl.atomic_add(Calls, _contribution(n), sem="relaxed", scope="gpu") // _UNIT
     tag = k % _TAG_MOD + 1
     ptrs = Recv + (k % 2) * stride_recv + offs
-    words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    words = tl.where(k % 2 == 0, first0, first1)
     missing = tl.sum((((words >> 32) != tag) & mask).to(tl.int32), axis=0)
     spins = tl.cast(0, tl.int64)
     while (missing > 0) & (spins < spin_limit):

@@ -26,12 +26,11 @@ from kernels.fold import AllReduceFold, fold_recv
 
 
 @triton.jit
-def _normed(x, W, offs, mask, eps, H: tl.constexpr, UNIT_OFFSET: tl.constexpr):
-    """RMSNorm of the row ``x`` (its dtype is the one the normalised row rounds to), float32,
-    before the caller's rounding to the output dtype."""
+def _normed(x, w, eps, H: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """RMSNorm of the row ``x`` (its dtype is the one the normalised row rounds to) with the
+    weight ``w`` (float32), float32, before the caller's rounding to the output dtype."""
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         return (xf * inv) * (1.0 + w)
     return w * (xf * inv).to(x.dtype).to(tl.float32)
@@ -69,7 +68,16 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    # every load first, so that their round trips overlap (and, folded, the peer's words'
+    # and the counter's: fold_recv)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    r = x
+    w_post = w
+    if HAS_RES:
+        r = tl.load(Res + row * stride_r + offs, mask=mask, other=0.0)
+        if POST_NORM:
+            w_post = tl.load(WPost + offs, mask=mask, other=0.0).to(tl.float32)
     if FOLD:  # the all-reduce: the two ranks' sums added in float32, rounded as NCCL rounds
         peer = fold_recv(Recv, stride_recv, row * H + offs, mask, Calls, Status, spin_limit,
                          X.dtype.element_ty)  # fmt: skip
@@ -77,13 +85,12 @@ def _rms_norm_kernel(
     if HAS_RES:
         xf = x.to(tl.float32)
         if POST_NORM:  # rounded where the separate rms_norm rounds its output
-            xf = _normed(x, WPost, offs, mask, eps, H, UNIT_OFFSET)
+            xf = _normed(x, w_post, eps, H, UNIT_OFFSET)
             if not POST_F32:
                 xf = xf.to(x.dtype).to(tl.float32)
-        r = tl.load(Res + row * stride_r + offs, mask=mask, other=0.0)
         x = (r.to(tl.float32) + xf).to(ResOut.dtype.element_ty)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
-    y = _normed(x, W, offs, mask, eps, H, UNIT_OFFSET)
+    y = _normed(x, w, eps, H, UNIT_OFFSET)
     tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 

@@ -580,9 +580,26 @@ ROWNORM_VARIANTS = {
 
 def norm_summary(**options) -> dict:
     """``norm_kernel(**options)``'s resources, its PTX's atomics by kind (``atom.*``) and its
-    loads that skip L1 (``ld.global.cg``)."""
+    loads that skip L1 (``ld.global.cg``), and where its loads stand (``load_order``)."""
     kernel = norm_kernel(**options)
-    return {"shared": kernel.metadata.shared, **resources(kernel), **ptx_sync(kernel)}
+    return {"shared": kernel.metadata.shared, **resources(kernel), **ptx_sync(kernel),
+            **load_order(kernel)}  # fmt: skip
+
+
+def load_order(kernel) -> dict:
+    """A kernel's global loads (``ld.global``, and ``ld.volatile.global`` apart) before its
+    first store or atomic and after it, in its PTX: loads issued before both overlap their
+    round trips, where one after a store (which it might alias) or after an atomic whose
+    result it needs waits for that."""
+    ptx = kernel.asm["ptx"].split(".section")[0]
+    first = re.search(r"\b(?:st\.global|atom\.|red\.)", ptx)
+    cut = first.start() if first else len(ptx)
+
+    def count(text: str) -> dict:
+        return {"global": len(re.findall(r"\bld\.global", text)),
+                "volatile": len(re.findall(r"\bld\.volatile\.global", text))}  # fmt: skip
+
+    return {"loads": {"before_first_write": count(ptx[:cut]), "after": count(ptx[cut:])}}
 
 
 def ptx_sync(kernel) -> dict:

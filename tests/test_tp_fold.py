@@ -187,7 +187,7 @@ def test_a_norm_waits_for_every_word_of_the_peer_s_call():
     f0.calls.fill_(2 * UNIT)
     f0.status.zero_()
     f0.recv[0, :2] = bits | (3 << 32)
-    f0.recv[1, :2] = 0  # the other slot is not read
+    f0.recv[1, :2] = 0  # the other slot: read, but its words are dropped
     normed, residual = add_rms_norm(x, res, w, EPS, fold=f0)
     assert f0.failed() == 0 and f0.calls.item() == 3 * UNIT
     assert torch.equal(residual, res + (x + peer))

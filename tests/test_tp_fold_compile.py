@@ -52,3 +52,18 @@ def test_the_ordering_the_fold_rests_on_is_in_the_ptx(compiled):
         else:  # the counter's add, the row's words read volatile (before the spin and in it)
             assert atoms == {"atom.global.gpu.relaxed.add.u64": 1}, (name, atoms)
             assert row["ld_volatile"] >= 2, (name, row["ld_volatile"])
+
+
+def test_the_norms_issue_every_load_before_they_write_or_wait(compiled):
+    """The norm kernels load x, the residual and the weights before their first store or
+    atomic (a load after a store it might alias waits for it: one round trip to L2 after
+    another), and the folded ones both slots' words too, beside the counter's add that picks
+    one; only the spin re-reads (volatile) one slot after it."""
+    for name in [n for n in compiled if n.startswith(("norm-", "fold-norm-"))]:
+        before, after = (
+            compiled[name]["loads"]["before_first_write"],
+            compiled[name]["loads"]["after"],
+        )
+        assert before["global"] >= 2 and after["global"] == 0, (name, before, after)
+        if name.startswith("fold-"):
+            assert before["volatile"] == 2 * after["volatile"] > 0, (name, before, after)
