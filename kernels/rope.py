@@ -212,14 +212,21 @@ def _rope_write_kv_kernel(
     KV heads [i KH, (i + 1) KH), i = j - cdiv(HQ, QH)."""
     # PDL: the attention kernel after this one may start (before this one's wait in the
     # chain: its L2 prefetch reads only earlier rows, kernels.decode); it waits for this one
-    pdl_enter(CHAIN, PDL, EARLY=True)
+    pdl_enter(False, CHAIN or PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
+    # Before the wait (chained: launched early, while the QKV GEMV runs) only the step's
+    # inputs, there before the step's first kernel: the token's position, its slot and its
+    # rows of the tables, so that after the wait one round trip to L2 (the QKV row) is left
+    # where the position's, then the tables', came first.
     pos = tl.load(Pos + t)
+    slot = tl.load(Slots + t)
     offs_r = tl.arange(0, BLOCK_HALF)
     r_mask = offs_r < HALF
     c = tl.load(Cos + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(Sin + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    if CHAIN:
+        tl.extra.cuda.gdc_wait()
     row = QKV + t * stride_t
     DT = QOut.dtype.element_ty
     Q_PROGRAMS: tl.constexpr = (HQ + QH - 1) // QH
@@ -229,7 +236,6 @@ def _rope_write_kv_kernel(
                     tl.minimum(HQ - h0, QH), c, s, eps, D, HALF, HAS_QNORM, UNIT_OFFSET, DT, QH,
                     BLOCK_HALF, BLOCK_PASS)  # fmt: skip
     else:
-        slot = tl.load(Slots + t)
         if slot >= 0:
             g0 = (j - Q_PROGRAMS) * KH
             n_kv = tl.minimum(HKV - g0, KH)

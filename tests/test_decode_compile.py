@@ -1,5 +1,6 @@
 """The decode layer's PDL protocol as compiled for sm_90 (tests/sm90_compile.py): the RoPE
-kernel lets its successor launch before its own wait, and the decode kernel, launched early
+kernel lets its successor launch before its own wait and reads nothing before it but the
+step's inputs (a position, a slot, the tables' rows), and the decode kernel, launched early
 behind it, reads nothing before its wait but the step's inputs (a length, block-table
 entries: 32-bit scalar loads) and asks L2 for its first KV tile; over an fp8 cache too. A
 wrong order would show on the GPU only as a rare wrong token."""
@@ -16,9 +17,17 @@ def compiled() -> dict[str, dict]:
 
 
 def test_rope_lets_the_decode_kernel_launch_before_its_wait(compiled):
+    """The RoPE kernel lets the decode kernel launch first, then loads the step's inputs
+    before its own wait (the token's position and slot: two 64-bit scalars; its rows of the
+    cos/sin tables: at most two loads each), nothing the QKV GEMV before it writes."""
     for name in ("rope-fp8", "rope-bf16-head-a-program"):
         assert compiled[name]["pdl"] == ["launch_dependents", "wait"], compiled[name]["pdl"]
-        assert compiled[name]["before_wait"]["loads"] == [], name
+        loads = compiled[name]["before_wait"]["loads"]
+        assert loads.count("ld.global.b64") == 2, (name, loads)
+        assert 2 <= len(loads) - 2 <= 4 and all(op.startswith("ld.global.") for op in loads), (
+            name,
+            loads,
+        )
 
 
 @pytest.mark.parametrize(
