@@ -145,7 +145,7 @@ class DecodeInputs:
         d: int = D, live: int | None = None, kv: str = "bf16",
     ):  # fmt: skip
         self.bsz, self.ctx, self.page = bsz, ctx, page
-        width = ctx // page
+        width = -(-ctx // page)  # a partial last page too (32,800 tokens: 257 pages of 128)
         first = 0 if live is None else max(0, ctx - live) // page  # the first live page
         nb = bsz * (width - first)
         self.sets = []

@@ -125,6 +125,19 @@ def test_window_inputs_hold_only_the_window_pages():
     assert bt.min() >= 0 and bt.max() < 10
 
 
+def test_decode_inputs_cover_a_partial_last_page():
+    """A context that is not a multiple of the page gets a block-table entry (and a page) for
+    its last, partial page; each page of the pool used once (a context of 32,800 at 128-token
+    pages read past a 256-entry table on the GPU)."""
+    from kernels import bench
+
+    for ctx, page in ((100, 16), (129, 128), (64, 16)):
+        width = -(-ctx // page)
+        q, pools, bt, _ = bench.DecodeInputs(2, ctx, page, 1, 4, 2, d=64).sets[0]
+        assert bt.shape == (2, width) and pools["k_cache"].shape[0] == 2 * width, (ctx, page)
+        assert sorted(bt.flatten().tolist()) == list(range(2 * width)), (ctx, page)
+
+
 def test_window_option_is_checked():
     from kernels import bench
 
