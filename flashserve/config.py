@@ -80,14 +80,21 @@ class EngineConfig:
     # the ranks' all-reduce: nccl, or auto (torch's symmetric-memory one-shot kernel for small
     # bf16/fp32 messages where the ranks share a host and it passes its start-up check, NCCL
     # for the rest: flashserve.engine.parallel). nccl by default: auto measured only 2-2.5%
-    # faster decode on two H200s (docs/benchmarks/tensor-parallel.md); fused (two ranks, not
-    # yet run on GPUs): decode steps' all-reduces folded into the kernels around them
+    # faster decode on two H200s (docs/benchmarks/tensor-parallel.md); fused (two ranks on one
+    # host): decode steps' all-reduces folded into the kernels around them (kernels.fold;
+    # opt-in, as it rests on torch's private symmetric-memory module like auto)
     tp_all_reduce: str = "nccl"
     # fp8: the decoder's projections in float8 e4m3 with per-channel scales, quantized as the
     # weights load (an fp8 checkpoint is detected from its config.json without it); None:
     # the checkpoint's own (unquantized unless it is an fp8 checkpoint)
     quantization: str | None = None
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
+    # one request through the whole path at start-up (a prompt of a step's budget and a few
+    # tokens more, two tokens out), before the engine reports ready, so that what the first
+    # prefill sets up lazily (Triton's prefill kernels, NCCL's large-message channels under
+    # tensor parallelism) is not the first user's wait; its blocks, counters and seed leave no
+    # trace (LLMEngine._warm_up). None: on CUDA
+    warm_up: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -110,6 +117,8 @@ class EngineConfig:
         self._resolve_kv_cache_dtype()
         if self.async_scheduling is None:  # on the CPU a step runs at once: nothing to overlap
             self.async_scheduling = self.device.startswith("cuda")
+        if self.warm_up is None:  # on the CPU nothing is set up lazily that costs a request
+            self.warm_up = self.device.startswith("cuda")
         if self.pdl_chain is None:  # the kernels join it only where the device supports PDL
             self.pdl_chain = self.attention_backend == "triton"
         elif self.pdl_chain and self.attention_backend != "triton":

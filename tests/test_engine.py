@@ -152,3 +152,27 @@ def test_scheduling_does_not_change_greedy_output(overrides):
     if "max_kv_tokens" in overrides:
         assert other.engine.scheduler.num_preemptions > 0
         assert other.engine.block_manager.num_free_blocks == other.engine.block_manager.num_blocks
+
+
+def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog):
+    """``warm_up`` (on by default on CUDA, asked for here on the CPU) prefills a prompt of the
+    step budget and 17 tokens more and decodes, before the engine is ready; after it the pool
+    is whole, the prefix cache empty, the counters zero, and unseeded sampling draws as an
+    engine without it draws (its request carries its own seed)."""
+    kw = dict(model="dummy:tiny", max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
+    assert EngineConfig(**kw).warm_up is False  # the CPU's default
+    with caplog.at_level("INFO", logger="flashserve.engine.llm_engine"):
+        warm = LLM(EngineConfig(**kw, warm_up=True))
+    assert "warm-up: one request of 81 prompt tokens" in caplog.text
+    cold = LLM(EngineConfig(**kw))
+    assert "warm-up" not in caplog.text.split("prompt tokens", 1)[1]
+    bm, sched = warm.engine.block_manager, warm.engine.scheduler
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks == 0
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (0, 0)
+    assert not warm.engine.has_unfinished() and sched.num_waiting == sched.num_running == 0
+    prompts = [[random.randrange(3, 500) for _ in range(random.randint(5, 90))] for _ in range(3)]
+    for params in (SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True),
+                   SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)):  # fmt: skip
+        want = [c.token_ids for c in cold.generate(prompts, params)]
+        assert [c.token_ids for c in warm.generate(prompts, params)] == want
+    assert warm.engine.scheduler.prefix_cache_queries == cold.engine.scheduler.prefix_cache_queries

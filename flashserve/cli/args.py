@@ -119,8 +119,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "symmetric-memory one-shot kernel for small bf16/fp32 messages where the ranks share "
         "a host, NCCL for the rest: decode 2-2.5%% faster than with NCCL on two H200s; not the "
         "default: README), or fused (two ranks on one host, CUDA, triton backend: decode "
-        "steps' all-reduces folded into the row-parallel GEMVs and the norms after them; "
-        "not yet run on GPUs)",
+        "steps' all-reduces folded into the row-parallel GEMVs and the norms after them: "
+        "decode at batch 1 1.60x one GPU's at 32K and 1.73x at 128K on two H200s; opt-in, "
+        "as it rests on torch's private symmetric-memory module like auto)",
     )
     g.add_argument(
         "--prefill-path",

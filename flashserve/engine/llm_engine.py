@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,17 +92,49 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.prompts = PromptChecker(self.tokenizer, loaded.config.vocab_size, self.max_model_len)
+        self._seed_rng = random.Random(self.config.seed)
+        self._new_state()
+        if self.config.warm_up:
+            try:
+                self._warm_up()
+            except BaseException:
+                self.close()
+                raise
+            self._new_state()
+
+    def _new_state(self) -> None:
+        """An empty block manager, scheduler and step pipeline, and no requests."""
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             self.config.block_size,
-            window=loaded.config.kv_window,
+            window=self.model_config.kv_window,
             prefix_caching=self.config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.pipeline = StepPipeline(self.config, self.scheduler, self.runner)
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
-        self._seed_rng = random.Random(self.config.seed)
+
+    def _warm_up(self) -> None:
+        """One request through the normal path (``EngineConfig.warm_up``): a prompt of the
+        step budget and 17 tokens more (two prefill chunks, the second over the first's cached
+        KV; fewer where the context is shorter), two tokens out (a decode step; one where the
+        context holds no more). It runs on throwaway state (``__init__`` makes it afresh
+        after), with its own seed, so that the pool, the prefix cache, the counters and
+        unseeded requests' seeds are as without it."""
+        if self.max_model_len < 2:  # no room for a prompt and a token
+            return
+        start = time.perf_counter()
+        n = max(1, min(self.config.max_num_batched_tokens + 17, self.max_model_len - 2))
+        new = min(2, self.max_model_len - n)
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True, seed=0)
+        self.add(self.make_request([0] * n, params, "warm-up"))
+        while self.has_unfinished():
+            for out in self.step():
+                if out.error:
+                    raise RuntimeError(f"the start-up warm-up request failed: {out.error}")
+        logger.info("warm-up: one request of %d prompt tokens in %.1f s", n,
+                    time.perf_counter() - start)  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------
 
