@@ -155,17 +155,17 @@ def test_scheduling_does_not_change_greedy_output(overrides):
 
 
 def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog):
-    """``warm_up`` (on by default on CUDA, asked for here on the CPU) prefills a prompt of the
-    step budget and 17 tokens more and decodes, before the engine is ready; after it the pool
-    is whole, the prefix cache empty, the counters zero, and unseeded sampling draws as an
-    engine without it draws (its request carries its own seed)."""
+    """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs a greedy request of
+    twice the step budget and 17 tokens more, then a sampled one of 17, before the engine is
+    ready; after them the pool is whole, the prefix cache empty, the counters zero, and
+    unseeded sampling draws as an engine without them draws (they carry their own seeds)."""
     kw = dict(model="dummy:tiny", max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
     assert EngineConfig(**kw).warm_up is False  # the CPU's default
     with caplog.at_level("INFO", logger="flashserve.engine.llm_engine"):
         warm = LLM(EngineConfig(**kw, warm_up=True))
-    assert "warm-up: one request of 81 prompt tokens" in caplog.text
+    assert "warm-up: requests of 145 and 17 prompt tokens" in caplog.text
     cold = LLM(EngineConfig(**kw))
-    assert "warm-up" not in caplog.text.split("prompt tokens", 1)[1]
+    assert "warm-up" not in caplog.text.split("prompt tokens", 1)[1]  # not the second engine
     bm, sched = warm.engine.block_manager, warm.engine.scheduler
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks == 0
     assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (0, 0)

@@ -116,24 +116,31 @@ class LLMEngine:
         self._by_seq: dict[int, Request] = {}
 
     def _warm_up(self) -> None:
-        """One request through the normal path (``EngineConfig.warm_up``): a prompt of the
-        step budget and 17 tokens more (two prefill chunks, the second over the first's cached
-        KV; fewer where the context is shorter), two tokens out (a decode step; one where the
-        context holds no more). It runs on throwaway state (``__init__`` makes it afresh
-        after), with its own seed, so that the pool, the prefix cache, the counters and
-        unseeded requests' seeds are as without it."""
+        """Two requests through the normal path, one after the other (``EngineConfig.warm_up``):
+        a greedy one of twice the step budget and 17 tokens more (three prefill chunks: the
+        first alone, the others over cached KV, the last not a multiple of 16; fewer where the
+        context is shorter), then a sampled one of 17 tokens (seeded), each two tokens out (a
+        decode step; one where the context holds no more). It runs on throwaway state
+        (``__init__`` makes it afresh after), with its own seeds, so that the pool, the prefix
+        cache, the counters and unseeded requests' seeds are as without it. A server's first
+        request of 31,000 tokens at TP=2 on a fresh pair of H200s waited 10.9 s for its first
+        token without it, the next ones 0.8 (docs/benchmarks/tensor-parallel.md, session 30)."""
         if self.max_model_len < 2:  # no room for a prompt and a token
             return
         start = time.perf_counter()
-        n = max(1, min(self.config.max_num_batched_tokens + 17, self.max_model_len - 2))
-        new = min(2, self.max_model_len - n)
-        params = SamplingParams(max_new_tokens=new, ignore_eos=True, seed=0)
-        self.add(self.make_request([0] * n, params, "warm-up"))
-        while self.has_unfinished():
-            for out in self.step():
-                if out.error:
-                    raise RuntimeError(f"the start-up warm-up request failed: {out.error}")
-        logger.info("warm-up: one request of %d prompt tokens in %.1f s", n,
+        longest = self.max_model_len - 2
+        runs = ((2 * self.config.max_num_batched_tokens + 17, 0.0), (17, 1.0))
+        for n, temperature in runs:
+            n = max(1, min(n, longest))
+            params = SamplingParams(max_new_tokens=min(2, self.max_model_len - n),
+                                    temperature=temperature, ignore_eos=True, seed=0)  # fmt: skip
+            self.add(self.make_request([0] * n, params, "warm-up"))
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.error:
+                        raise RuntimeError(f"the start-up warm-up request failed: {out.error}")
+        logger.info("warm-up: requests of %s prompt tokens in %.1f s",
+                    " and ".join(str(max(1, min(n, longest))) for n, _ in runs),
                     time.perf_counter() - start)  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------
