@@ -124,7 +124,9 @@ class LLMEngine:
         (``__init__`` makes it afresh after), with its own seeds, so that the pool, the prefix
         cache, the counters and unseeded requests' seeds are as without it. A server's first
         request of 31,000 tokens at TP=2 on a fresh pair of H200s waited 10.9 s for its first
-        token without it, the next ones 0.8 (docs/benchmarks/tensor-parallel.md, session 30)."""
+        token without it, 4.5 s with it (15.2 s of warm-up at start-up), the next ones 0.8-1.0
+        (docs/benchmarks/tensor-parallel.md, session 30): what the rest waits for is not yet
+        known."""
         if self.max_model_len < 2:  # no room for a prompt and a token
             return
         start = time.perf_counter()
