@@ -116,34 +116,40 @@ class LLMEngine:
         self._by_seq: dict[int, Request] = {}
 
     def _warm_up(self) -> None:
-        """Two requests through the normal path, one after the other (``EngineConfig.warm_up``):
-        a greedy one of twice the step budget and 17 tokens more (three prefill chunks: the
-        first alone, the others over cached KV, the last not a multiple of 16; fewer where the
-        context is shorter), then a sampled one of 17 tokens (seeded), each two tokens out (a
-        decode step; one where the context holds no more). It runs on throwaway state
+        """Requests through the normal path before the engine is ready
+        (``EngineConfig.warm_up``), so that the kernels a first prompt needs are compiled and
+        set up here: first a greedy one of twice the step budget and 273 tokens more (chunks
+        of the budget, the first alone, the others over cached KV, then one of 273 tokens:
+        Triton specializes integer arguments by whether they are 1 or multiples of 16, and the
+        prefill kernels' tile counts of 16 and 3 are one of each kind), then a greedy and a
+        sampled one of 17 tokens together (two prompts in a step, one tile each, a decode
+        batch of both kinds); two tokens out each (one where the context holds no more),
+        fewer prompt tokens where the context is shorter. It runs on throwaway state
         (``__init__`` makes it afresh after), with its own seeds, so that the pool, the prefix
         cache, the counters and unseeded requests' seeds are as without it. A server's first
         request of 31,000 tokens at TP=2 on a fresh pair of H200s waited 10.9 s for its first
-        token without it, 4.5 s with it (15.2 s of warm-up at start-up), the next ones 0.8-1.0
-        (docs/benchmarks/tensor-parallel.md, session 30): what the rest waits for is not yet
-        known."""
+        token without it, the next ones 0.8-1.0 (docs/benchmarks/tensor-parallel.md, session
+        30)."""
         if self.max_model_len < 2:  # no room for a prompt and a token
             return
         start = time.perf_counter()
         longest = self.max_model_len - 2
-        runs = ((2 * self.config.max_num_batched_tokens + 17, 0.0), (17, 1.0))
-        for n, temperature in runs:
-            n = max(1, min(n, longest))
-            params = SamplingParams(max_new_tokens=min(2, self.max_model_len - n),
-                                    temperature=temperature, ignore_eos=True, seed=0)  # fmt: skip
-            self.add(self.make_request([0] * n, params, "warm-up"))
+        groups = (((2 * self.config.max_num_batched_tokens + 273, 0.0),), ((17, 0.0), (17, 1.0)))
+        sizes = []
+        for group in groups:
+            for i, (n, temperature) in enumerate(group):
+                n = max(1, min(n, longest))
+                out_len = min(2, self.max_model_len - n)
+                params = SamplingParams(max_new_tokens=out_len, temperature=temperature,
+                                        ignore_eos=True, seed=i)  # fmt: skip
+                self.add(self.make_request([0] * n, params, f"warm-up {len(sizes)}"))
+                sizes.append(n)
             while self.has_unfinished():
                 for out in self.step():
                     if out.error:
                         raise RuntimeError(f"the start-up warm-up request failed: {out.error}")
         logger.info("warm-up: requests of %s prompt tokens in %.1f s",
-                    " and ".join(str(max(1, min(n, longest))) for n, _ in runs),
-                    time.perf_counter() - start)  # fmt: skip
+                    ", ".join(map(str, sizes)), time.perf_counter() - start)  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------
 
