@@ -3,7 +3,9 @@
 ``LLMEngine`` is single-threaded; ``LLM`` drives it to completion for a list of prompts;
 ``flashserve.engine.async_llm.AsyncLLM`` runs it on its own thread for the server. The steps
 themselves, plain or overlapped (``async_scheduling``), and the isolation of failing requests
-are ``flashserve.engine.step_pipeline``'s; the engine turns their tokens into outputs.
+are ``flashserve.engine.step_pipeline``'s; the engine turns their tokens into outputs. On a
+GPU it runs a few requests of its own before it is ready (``EngineConfig.warm_up``), so that
+the first user's prompt does not wait for kernels to compile.
 
 With ``tensor_parallel_size`` N > 1 the engine's process is rank 0 of N: it starts the other
 ranks (``flashserve.engine.tp_workers``), loads its own share of the model while they load
