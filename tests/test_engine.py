@@ -155,16 +155,16 @@ def test_scheduling_does_not_change_greedy_output(overrides):
 
 
 def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog):
-    """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs a greedy request of
-    twice the step budget and 273 tokens more, then a greedy and a sampled one of 17 together,
-    before the engine is ready; after them the pool is whole, the prefix cache empty, the
-    counters zero, and unseeded sampling draws as an engine without them draws (they carry
-    their own seeds)."""
+    """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs its four groups of
+    requests (a greedy prompt of twice the step budget and 273 tokens; one of 17; 273 and a
+    sampled 17 together; 17 and a sampled 17 together) before the engine is ready; after them
+    the pool is whole, the prefix cache empty, the counters zero, and unseeded sampling draws
+    as an engine without them draws (they carry their own seeds)."""
     kw = dict(model="dummy:tiny", max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
     assert EngineConfig(**kw).warm_up is False  # the CPU's default
     with caplog.at_level("INFO", logger="flashserve.engine.llm_engine"):
         warm = LLM(EngineConfig(**kw, warm_up=True))
-    assert "warm-up: requests of 401, 17, 17 prompt tokens" in caplog.text
+    assert "warm-up: requests of 401, 17, 273, 17, 17, 17 prompt tokens" in caplog.text
     cold = LLM(EngineConfig(**kw))
     assert "warm-up" not in caplog.text.split("prompt tokens", 1)[1]  # not the second engine
     bm, sched = warm.engine.block_manager, warm.engine.scheduler

@@ -119,24 +119,35 @@ class LLMEngine:
 
     def _warm_up(self) -> None:
         """Requests through the normal path before the engine is ready
-        (``EngineConfig.warm_up``), so that the kernels a first prompt needs are compiled and
-        set up here: first a greedy one of twice the step budget and 273 tokens more (chunks
-        of the budget, the first alone, the others over cached KV, then one of 273 tokens:
-        Triton specializes integer arguments by whether they are 1 or multiples of 16, and the
-        prefill kernels' tile counts of 16 and 3 are one of each kind), then a greedy and a
-        sampled one of 17 tokens together (two prompts in a step, one tile each, a decode
-        batch of both kinds); two tokens out each (one where the context holds no more),
-        fewer prompt tokens where the context is shorter. It runs on throwaway state
-        (``__init__`` makes it afresh after), with its own seeds, so that the pool, the prefix
-        cache, the counters and unseeded requests' seeds are as without it. A server's first
-        request of 31,000 tokens at TP=2 on a fresh pair of H200s: 10.9 s to its first token
-        without it, 1.03 s with it (17.5 s of warm-up at start-up; one request of 2,065 tokens
-        before left 4.5 s), the next ones 0.8-1.0 (docs/benchmarks/serving.md, session 30)."""
+        (``EngineConfig.warm_up``), so that the kernels the first prompts need are compiled
+        here. Triton compiles a kernel again for each kind of its integer arguments (1, a
+        multiple of 16, anything else), and the prefill kernels take the step's tile count
+        (128 queries a tile) and its number of prompts, so the warm-up meets the usual pairs:
+        a greedy prompt of twice the step budget and 273 tokens alone (chunks of 16 tiles,
+        the first alone, the others over cached KV, then one of 3 tiles); a short one alone
+        (1 tile: a chat's first turn); a prompt of 273 tokens and a sampled one of 17 together
+        (2 prompts, 3 tiles); two short ones together, greedy and sampled (2 prompts, 1 tile).
+        Each gets two tokens out (one where the context holds no more: decode batches of one
+        and two, greedy, sampled and mixed), and its own token repeated as its prompt (no
+        prompt starts like another, so none is served from the prefix cache); the prompts are
+        shorter where the context is. It runs on throwaway state (``__init__`` makes it afresh
+        after), with its own seeds, so that the pool, the prefix cache, the counters and
+        unseeded requests' seeds are as without it. A server's first request of 31,000 tokens
+        at TP=2 on a fresh pair of H200s: 10.9 s to its first token without it, 1.03 s with
+        its first group and the last (17.5 s of warm-up at start-up; one request of 2,065
+        tokens had left 4.5 s), the next ones 0.8-1.0 (docs/benchmarks/serving.md, session
+        30)."""
         if self.max_model_len < 2:  # no room for a prompt and a token
             return
         start = time.perf_counter()
         longest = self.max_model_len - 2
-        groups = (((2 * self.config.max_num_batched_tokens + 273, 0.0),), ((17, 0.0), (17, 1.0)))
+        greedy, sampled = 0.0, 1.0
+        groups = (
+            ((2 * self.config.max_num_batched_tokens + 273, greedy),),
+            ((17, greedy),),
+            ((273, greedy), (17, sampled)),
+            ((17, greedy), (17, sampled)),
+        )
         sizes = []
         for group in groups:
             for i, (n, temperature) in enumerate(group):
@@ -144,7 +155,9 @@ class LLMEngine:
                 out_len = min(2, self.max_model_len - n)
                 params = SamplingParams(max_new_tokens=out_len, temperature=temperature,
                                         ignore_eos=True, seed=i)  # fmt: skip
-                self.add(self.make_request([0] * n, params, f"warm-up {len(sizes)}"))
+                # a token of its own per request: no prompt reuses another's cached blocks
+                token = len(sizes) % self.model_config.vocab_size
+                self.add(self.make_request([token] * n, params, f"warm-up {len(sizes)}"))
                 sizes.append(n)
             while self.has_unfinished():
                 for out in self.step():
