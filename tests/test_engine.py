@@ -154,17 +154,34 @@ def test_scheduling_does_not_change_greedy_output(overrides):
         assert other.engine.block_manager.num_free_blocks == other.engine.block_manager.num_blocks
 
 
-def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog):
+def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch):
     """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs its four groups of
     requests (a greedy prompt of twice the step budget and 273 tokens; one of 17; 273 and a
-    sampled 17 together; 17 and a sampled 17 together) before the engine is ready; after them
-    the pool is whole, the prefix cache empty, the counters zero, and unseeded sampling draws
-    as an engine without them draws (they carry their own seeds)."""
+    sampled 17 together; 17 and a sampled 17 together), every prompt computed whole (none
+    served from another's cached blocks), before the engine is ready; after them the pool is
+    whole, the prefix cache empty, the counters zero, and unseeded sampling draws as an engine
+    without them draws (they carry their own seeds)."""
+    from flashserve.engine.model_runner import ModelRunner
+
+    steps = []
+    execute = ModelRunner.execute
+
+    def spy(self, seqs):
+        steps.append([(s.num_computed_tokens, s.num_scheduled_tokens) for s in seqs])
+        return execute(self, seqs)
+
     kw = dict(model="dummy:tiny", max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
     assert EngineConfig(**kw).warm_up is False  # the CPU's default
+    monkeypatch.setattr(ModelRunner, "execute", spy)
     with caplog.at_level("INFO", logger="flashserve.engine.llm_engine"):
         warm = LLM(EngineConfig(**kw, warm_up=True))
-    assert "warm-up: requests of 401, 17, 273, 17, 17, 17 prompt tokens" in caplog.text
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    sizes = [401, 17, 273, 17, 17, 17]
+    assert f"warm-up: requests of {', '.join(map(str, sizes))} prompt tokens" in caplog.text
+    prefills = [n for step in steps for done, n in step if done == 0]
+    assert sum(n for step in steps for _, n in step) == sum(sizes) + len(sizes), steps
+    assert prefills == [64, 17, 64, 17, 17, 17], steps  # every first chunk from token 0
+    assert [len(step) for step in steps].count(2) == 4, steps  # two pairs: prefill, decode
     cold = LLM(EngineConfig(**kw))
     assert "warm-up" not in caplog.text.split("prompt tokens", 1)[1]  # not the second engine
     bm, sched = warm.engine.block_manager, warm.engine.scheduler
