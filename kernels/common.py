@@ -75,20 +75,14 @@ def pdl_kwargs(device: torch.device, chain: bool) -> dict:
 
 
 @triton.jit
-def pdl_enter(CHAIN: tl.constexpr, TRIGGER: tl.constexpr = False, EARLY: tl.constexpr = False):
+def pdl_enter(CHAIN: tl.constexpr, TRIGGER: tl.constexpr = False):
     """First thing in a chained kernel: wait until the kernel before it has finished and its
     writes are visible, then let the kernel after it launch (it waits the same way).
-    ``TRIGGER`` without the chain: only let a PDL-launched successor start early. ``EARLY``
-    in the chain: let the successor launch before this kernel's wait, for a successor with
-    work to do before its own wait (the decode kernel's L2 prefetch of earlier KV): it may
-    then start while the kernel before this one runs, and must read nothing that kernel
-    writes before its wait."""
+    ``TRIGGER`` without the chain: only let a PDL-launched successor start early (a kernel
+    that waits later itself, as ``kernels.rope`` does, passes its chain here)."""
     if CHAIN:
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     elif TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 

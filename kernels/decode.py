@@ -743,9 +743,10 @@ def plan_splits(
     at its window's first token rounded down to a tile, so up to ``window + BLOCK_N - 1``
     tokens: the split count of ``split_size`` mode counts those, so that every split is
     ``split_size`` long whatever the row's alignment (batch invariance)."""
-    own = _own_tiles(head_dim, fp8, tuning)
-    few = (tuning.tiles is None and tuning.few_rows_tiles is not None and not own
-           and split_size is None and batch * num_kv_heads <= num_sms)  # fmt: skip
+    # decode_config's 16-bit tiles, which the few rows' and the short splits' tiles replace
+    replaceable = tuning.tiles is None and not _own_tiles(head_dim, fp8, tuning)
+    few = (replaceable and tuning.few_rows_tiles is not None and split_size is None
+           and batch * num_kv_heads <= num_sms)  # fmt: skip
     if few:
         tiles = fit_smem(tuning.few_rows_tiles, head_dim, itemsize, fp8)
     else:
@@ -770,7 +771,7 @@ def plan_splits(
         # a graph captured for a long max_seq_len: a short sequence uses fewer, longer splits
         min_split = math.ceil(shortest / block_n) * block_n
     split_tokens = max(min_split, math.ceil(span / splits / block_n) * block_n)
-    if tuning.tiles is None and not few and not own and _short_splits(split_tokens, tuning):
+    if replaceable and not few and _short_splits(split_tokens, tuning):
         tiles = fit_smem(tuning.short_split_tiles, head_dim, itemsize, fp8)
     return SplitPlan(splits, min_split, tiles)
 

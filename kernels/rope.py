@@ -210,9 +210,9 @@ def _rope_write_kv_kernel(
 ):
     """Program (t, j): token t's query heads [j QH, (j + 1) QH) for j < cdiv(HQ, QH), else its
     KV heads [i KH, (i + 1) KH), i = j - cdiv(HQ, QH)."""
-    # PDL: the attention kernel after this one may start (before this one's wait in the
-    # chain: its L2 prefetch reads only earlier rows, kernels.decode); it waits for this one
-    pdl_enter(False, CHAIN or PDL)
+    # PDL: the attention kernel after this one may start now, before this one's wait in the
+    # chain below (its L2 prefetch reads only earlier rows, kernels.decode); it waits for this one
+    pdl_enter(False, TRIGGER=CHAIN or PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     # Before the wait (chained: launched early, while the QKV GEMV runs) only the step's
