@@ -2,8 +2,8 @@
 # its own options: this script's arguments), then three requests of $DEPTH (31,000) prompt
 # tokens and 256 out, one at a time (`bench serve --depth`; the client times the tokens it receives). Used by the
 # other scripts as a step: `step NAME CAP bash docs/benchmarks/device/http_decode.sh [ARGS]`.
-# SHORT=1 first sends one short /generate (8 tokens out) and prints its seconds: a fresh
-# server's first request, as a chat user meets it.
+# SHORT=1 first sends two short /generate requests (8 tokens out) and prints their seconds: a
+# fresh server's first request, as a chat user meets it, and the next.
 PORT=${PORT:-8011} MODEL=${MODEL:-dummy:llama3.1-8b} DEPTH=${DEPTH:-31000}
 python3 -m server serve --model "$MODEL" --max-model-len $((DEPTH + 9000)) --port "$PORT" "$@" \
   > "$OUT/server-$PORT-$$.log" 2>&1 &
@@ -13,11 +13,11 @@ for _ in $(seq 1 240); do
   kill -0 $pid 2> /dev/null || { echo "the server exited"; tail -5 "$OUT/server-$PORT-$$.log"; exit 1; }
   sleep 1
 done
-if [ "${SHORT:-0}" = 1 ]; then
-  curl -s -o /dev/null -w "short first request: %{http_code} in %{time_total} s\n" \
+for _ in $([ "${SHORT:-0}" = 1 ] && echo 1 2); do
+  curl -s -o /dev/null -w "short request: %{http_code} in %{time_total} s\n" \
     -H 'Content-Type: application/json' "localhost:$PORT/generate" \
     -d '{"inputs": "Hello there", "parameters": {"max_new_tokens": 8}}'
-fi
+done
 python3 -m flashserve bench serve --url "http://127.0.0.1:$PORT" --depth "$DEPTH" --output-len 256 \
   --num-requests 3 --no-progress
 rc=$?
