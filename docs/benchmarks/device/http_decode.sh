@@ -3,7 +3,9 @@
 # tokens and 256 out, one at a time (`bench serve --depth`; the client times the tokens it receives). Used by the
 # other scripts as a step: `step NAME CAP bash docs/benchmarks/device/http_decode.sh [ARGS]`.
 # SHORT=1 first sends two short /generate requests (8 tokens out) and prints their seconds: a
-# fresh server's first request, as a chat user meets it, and the next.
+# fresh server's first request, as a chat user meets it, and the next. LOAD replaces the three
+# requests with other `bench serve` options, run ROUNDS times (1), each round's results in
+# $OUT/http-<port>-<pid>-r<round>.json.
 PORT=${PORT:-8011} MODEL=${MODEL:-dummy:llama3.1-8b} DEPTH=${DEPTH:-31000}
 python3 -m server serve --model "$MODEL" --max-model-len $((DEPTH + 9000)) --port "$PORT" "$@" \
   > "$OUT/server-$PORT-$$.log" 2>&1 &
@@ -18,9 +20,13 @@ for _ in $([ "${SHORT:-0}" = 1 ] && echo 1 2); do
     -H 'Content-Type: application/json' "localhost:$PORT/generate" \
     -d '{"inputs": "Hello there", "parameters": {"max_new_tokens": 8}}'
 done
-python3 -m flashserve bench serve --url "http://127.0.0.1:$PORT" --depth "$DEPTH" --output-len 256 \
-  --num-requests 3 --no-progress
-rc=$?
+LOAD=${LOAD:-"--depth $DEPTH --output-len 256 --num-requests 3"}
+rc=0
+for r in $(seq 1 "${ROUNDS:-1}"); do
+  # shellcheck disable=SC2086 # LOAD is a list of options
+  python3 -m flashserve bench serve --url "http://127.0.0.1:$PORT" $LOAD --seed "$r" --no-progress \
+    --json "$OUT/http-$PORT-$$-r$r.json" || rc=$?
+done
 kill -INT $pid; wait $pid
 grep -c Traceback "$OUT/server-$PORT-$$.log" | sed 's/^/tracebacks in the server log: /'
 exit $rc

@@ -1,0 +1,97 @@
+"""Which Triton specializations a server meets only after its start-up warm-up: each of them is
+a compile in the middle of serving (seconds, every stream stalled) on a GPU.
+
+    python3 docs/benchmarks/compile_kinds.py
+
+Runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing;
+each launch's arguments are keyed the way Triton 3.x keys its compiles (a tensor's dtype and
+16-byte alignment, an integer's kind: 1, a multiple of 16 or other, unless the kernel lists it
+in ``do_not_specialize``; the constexprs' values). An engine on ``dummy:tiny`` with the Triton
+backend, eager (the decode kernel too: on a GPU, decode-only steps replay the graphs captured at
+start-up, but steps that mix prefill chunks and decodes launch it as here), 128-token blocks and
+its warm-up; then a few workloads one after another, each new key printed with its integer
+arguments' kinds. A measurement tool only; never imported by the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from flashserve.config import EngineConfig  # noqa: E402
+from flashserve.engine.llm_engine import LLM  # noqa: E402
+from flashserve.sampling.params import SamplingParams  # noqa: E402
+
+KEYS: dict[tuple, str] = {}  # key -> the phase that met it first
+PHASE = ["load"]
+_run = interpreter.InterpretedFunction.run
+
+
+def _kind(v, unspecialized: bool, constexpr: bool):
+    if constexpr:
+        return ("constexpr", str(v))
+    if isinstance(v, torch.Tensor):
+        return (str(v.dtype), v.data_ptr() % 16 == 0)
+    if isinstance(v, bool) or not isinstance(v, int):
+        return type(v).__name__
+    if unspecialized:
+        return "int"
+    return 1 if v == 1 else ("x16" if v % 16 == 0 else "int")
+
+
+def _keyed_run(self, *args, grid, warmup, **kwargs):
+    params = inspect.signature(self.fn).parameters
+    consts = {n for n, p in params.items() if p.annotation in (tl.constexpr, "tl.constexpr")}
+    loose = self.kwargs.get("do_not_specialize") or ()
+    loose = {self.arg_names[a] if isinstance(a, int) else a for a in loose}
+    bound = {**dict(zip(self.arg_names, args)), **kwargs}
+    kinds = {n: _kind(bound[n], n in loose, n in consts) for n in self.arg_names if n in bound}
+    options = tuple(sorted((k, str(v)) for k, v in kwargs.items() if k not in self.arg_names))
+    key = (self.fn.__name__, tuple(kinds.items()), options)
+    if key not in KEYS:
+        KEYS[key] = PHASE[0]
+        if PHASE[0] != "warm-up":
+            ints = {n: k for n, k in kinds.items() if isinstance(bound[n], int) and n not in consts}
+            print(f"  new after the warm-up ({PHASE[0]}): {self.fn.__name__} {ints}")
+    return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+
+def main() -> None:
+    interpreter.InterpretedFunction.run = _keyed_run
+    PHASE[0] = "warm-up"
+    start = time.perf_counter()
+    config = EngineConfig(model="dummy:tiny", device="cpu", dtype="float16",
+                          attention_backend="triton", enforce_eager=True, block_size=128,
+                          max_kv_tokens=65536, warm_up=True)  # fmt: skip
+    llm = LLM(config)
+    print(f"engine ready in {time.perf_counter() - start:.0f} s: {len(KEYS)} keys")
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(lens):
+        return [torch.randint(5, 200, (n,), generator=gen).tolist() for n in lens]
+
+    sixteen = torch.randint(20, 100, (16,), generator=gen).tolist()
+    workloads = {
+        "one prompt of 40 tokens": prompts([40]),
+        "a 1-token prompt": prompts([1]),
+        "16 prompts of 20-100 tokens at once": prompts(sixteen),
+        "5 prompts of about 300 tokens": prompts([300, 310, 290, 305, 295]),
+        "a prompt of 1,900 tokens": prompts([1900]),
+    }
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    for name, batch in workloads.items():
+        PHASE[0] = name
+        llm.generate(batch, params)
+    print("keys by the phase that met them first:", dict(collections.Counter(KEYS.values())))
+
+
+if __name__ == "__main__":
+    main()
