@@ -91,7 +91,7 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights and unseeded requests' seeds
     # a few requests through the whole path at start-up, before the engine reports ready, so
     # that Triton compiling the kernels the first prompts need is not the first user's wait
-    # (on two H200s at TP=2 a first 31K prompt's first token: 10.9 -> 1.0 s); they leave no
+    # (on two H200s at TP=2 a first 31K prompt's first token: 10.9 -> 0.7 s); they leave no
     # trace in the pool, the prefix cache, the counters or the seeds (LLMEngine._warm_up).
     # None: on CUDA
     warm_up: bool | None = None

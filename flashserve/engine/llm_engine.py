@@ -133,10 +133,9 @@ class LLMEngine:
         shorter where the context is. It runs on throwaway state (``__init__`` makes it afresh
         after), with its own seeds, so that the pool, the prefix cache, the counters and
         unseeded requests' seeds are as without it. A server's first request of 31,000 tokens
-        at TP=2 on a fresh pair of H200s: 10.9 s to its first token without it, 1.03 s with
-        its first group and the last (17.5 s of warm-up at start-up; one request of 2,065
-        tokens had left 4.5 s), the next ones 0.8-1.0 (docs/benchmarks/serving.md, session
-        30)."""
+        at TP=2 on a fresh pair of H200s: 10.9 s to its first token without it, 0.70 s with
+        it (p50 of three: 0.65), after 15.9 s of warm-up at start-up
+        (docs/benchmarks/serving.md, sessions 30-31)."""
         if self.max_model_len < 2:  # no room for a prompt and a token
             return
         start = time.perf_counter()
