@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import unicodedata
 
 import gguf
 import pytest
@@ -73,10 +72,21 @@ def assert_same(ours_value, ref_value, what: str) -> None:
     assert ours_value == ref_value, f"{what}: {first_diff(ours_value, ref_value)}"
 
 
+_NUMBERS = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="removed")
+
+
 def _pre_tokenizers_differ(text: str) -> bool:
     """Whether the ``smollm`` split may differ from GPT-2's: a number after whitespace, or a
-    number character that is not ASCII."""
-    numbers = [i for i, c in enumerate(text) if unicodedata.category(c).startswith("N")]
+    number character that is not ASCII.
+
+    What is a number is asked of the tokenizers library's own regex engine: its Unicode tables
+    are newer than Python's ``unicodedata`` (U+116D4, a digit since Unicode 16, is unassigned
+    to Python 3.11), and a number it cuts apart that Python does not know of is a difference.
+    """
+    kept = [False] * len(text)
+    for _, (lo, hi) in _NUMBERS.pre_tokenize_str(text):
+        kept[lo:hi] = [True] * (hi - lo)
+    numbers = [i for i, k in enumerate(kept) if not k]
     return any(not text[i].isascii() or (i and text[i - 1].isspace()) for i in numbers)
 
 
@@ -111,10 +121,13 @@ def test_gguf_matches_transformers_on_random_text(ours, hf, hf_smollm):
         ("Steps:\n\n1.", ["Steps", ":", "ĊĊ", "1", "."], ["Steps", ":", "Ċ", "Ċ", "1", "."]),
         ("a  1", ["a", "ĠĠ", "1"], ["a", "Ġ", "Ġ", "1"]),
         ("a ½", ["a", "Ġ", "Â½"], ["a", "ĠÂ", "½"]),
+        # U+116D4, a digit Python's unicodedata does not know: CI's random text found it
+        ("a\r\n\U000116d4", ["a", "čĊ", "ð", "ĳ", "Ľ", "Ķ"], ["a", "č", "Ċ", "ð", "ĳ", "Ľ", "Ķ"]),
     ],
 )
 def test_smollm_cuts_numbers_apart_unlike_transformers(ours, hf, hf_smollm, text, ours_tokens,
                                                        hf_tokens):  # fmt: skip
+    assert _pre_tokenizers_differ(text)
     ids = ours.encode(text)
     assert ours.convert_ids_to_tokens(ids) == ours_tokens
     assert ids == hf_smollm.encode(text).ids
