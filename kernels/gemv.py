@@ -796,6 +796,19 @@ def linear_small_m(
     return out if residual is None else (out, sumsq)
 
 
+def rows_compiled_apart() -> tuple[int, ...]:
+    """The least row count M of each compile ``linear_small_m`` makes for one weight over
+    1 <= M <= MAX_M: the tile (``gemv_config``: M = 1, 2-8, above), x's rows as the kernel takes
+    them (a power of two: ``diag``'s BLOCK_M, float8's X_ROWS; 16 for the dot's padding) and
+    Triton's kind of the integer M (1, a multiple of 16, other) set them apart. Launching the
+    GEMV at each of these meets every compile it has for that weight (the engine's start-up
+    warm-up does); ``tests/test_gemv.py`` checks it against the launches' arguments."""
+    least: dict[tuple[int, bool, bool], int] = {}
+    for m in range(1, MAX_M + 1):
+        least.setdefault((triton.next_power_of_2(m), m == 1, m % 16 == 0), m)
+    return tuple(least.values())
+
+
 def _residual_args(residual: torch.Tensor | None, sumsq: torch.Tensor | None) -> dict:
     """_linear_kernel's ADD_RES arguments."""
     if residual is None:

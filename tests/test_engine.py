@@ -11,6 +11,7 @@ from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import LLM
 from flashserve.loaders.load import default_model_path
 from flashserve.sampling.params import SamplingParams
+from kernels.gemv import rows_compiled_apart
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -155,12 +156,13 @@ def test_scheduling_does_not_change_greedy_output(overrides):
 
 
 def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch):
-    """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs its four groups of
-    requests (a greedy prompt of twice the step budget and 273 tokens; one of 17; 273 and a
-    sampled 17 together; 17 and a sampled 17 together), every prompt computed whole (none
-    served from another's cached blocks), before the engine is ready; after them the pool is
-    whole, the prefix cache empty, the counters zero, and unseeded sampling draws as an engine
-    without them draws (they carry their own seeds)."""
+    """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs its groups of
+    requests (a greedy prompt of twice the step budget and 273 tokens; one of each length at
+    which the GEMVs compile apart, alone: 2, 3, 5, 9, 16; 273 and a sampled 17 together; 17
+    and a sampled 17 together), every prompt computed whole (none served from another's
+    cached blocks), before the engine is ready; after them the pool is whole, the prefix cache
+    empty, the counters zero, and unseeded sampling draws as an engine without them draws
+    (they carry their own seeds)."""
     from flashserve.engine.model_runner import ModelRunner
 
     steps = []
@@ -176,11 +178,13 @@ def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch
     with caplog.at_level("INFO", logger="flashserve.engine.llm_engine"):
         warm = LLM(EngineConfig(**kw, warm_up=True))
     monkeypatch.setattr(ModelRunner, "execute", execute)
-    sizes = [401, 17, 273, 17, 17, 17]
+    sizes = [401, 2, 3, 5, 9, 16, 273, 17, 17, 17]
     assert f"warm-up: requests of {', '.join(map(str, sizes))} prompt tokens" in caplog.text
     prefills = [n for step in steps for done, n in step if done == 0]
     assert sum(n for step in steps for _, n in step) == sum(sizes) + len(sizes), steps
-    assert prefills == [64, 17, 64, 17, 17, 17], steps  # every first chunk from token 0
+    assert prefills == [64, 2, 3, 5, 9, 16, 64, 17, 17, 17], steps  # first chunks from token 0
+    alone = [step[0][1] for step in steps if len(step) == 1 and step[0][0] == 0]
+    assert alone[1:6] == list(rows_compiled_apart()[1:]), steps  # the GEMVs' row counts
     assert [len(step) for step in steps].count(2) == 4, steps  # two pairs: prefill, decode
     cold = LLM(EngineConfig(**kw))
     assert "warm-up" not in caplog.text.split("prompt tokens", 1)[1]  # not the second engine

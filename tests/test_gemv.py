@@ -435,3 +435,52 @@ def test_diag_tiles_of_the_heuristic():
         got = linear_small_m(x, w)
         assert_close(got, x.double() @ w.double().T, GEMV_TOL[torch.float32], f"default M={m}")
         assert_close(got, want.double(), GEMV_TOL[torch.float32], f"diag vs not M={m}")
+
+
+def _triton_kind(value):
+    """What Triton keys a run-time argument by: a tensor's dtype, an integer's kind (1, a
+    multiple of 16, other), anything else's value (constexprs: their values)."""
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return 1 if value == 1 else ("x16" if value % 16 == 0 else "int")
+    return value
+
+
+@pytest.mark.parametrize("weight", ["16-bit", "fp8 channel", "fp8 block"])
+@pytest.mark.parametrize("n,k,act", [(6144, 4096, None), (4096, 14336, None), (1024, 4096, None),
+                                     (28672, 4096, "silu")])  # fmt: skip
+def test_rows_compiled_apart_meet_every_compile(monkeypatch, weight, n, k, act):
+    """``rows_compiled_apart``: the launches at its row counts carry every argument kind and
+    constexpr that the launches at 1 <= M <= MAX_M carry (Llama-3-8B's projections on a
+    132-SM GPU, and a narrow one that splits K), so a warm-up running them leaves no compile
+    for later; and no two of them carry the same."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                consts = {k: str(v.dtype) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+                launches.append((tuple(map(_triton_kind, args)), tuple(sorted(consts.items()))))
+
+            return launch
+
+    monkeypatch.setattr(gemv, "_linear_kernel", Recorder())
+    monkeypatch.setattr(gemv, "_num_sms", lambda device: 132)
+    w = torch.empty(n, k, dtype=torch.float16)
+    scale = None
+    if weight == "fp8 channel":
+        w, scale = w.to(torch.float8_e4m3fn), torch.ones(n)
+    elif weight == "fp8 block":
+        w, scale = w.to(torch.float8_e4m3fn), torch.ones(triton.cdiv(n, 128), triton.cdiv(k, 128))
+
+    def keys(rows):
+        launches.clear()
+        for m in rows:
+            linear_small_m(torch.zeros(m, k, dtype=torch.float16), w, weight_scale=scale, act=act)
+        return list(launches)
+
+    apart = gemv.rows_compiled_apart()
+    assert apart[0] == 1 and apart[-1] == MAX_M and list(apart) == sorted(set(apart))
+    assert set(keys(range(1, MAX_M + 1))) == set(keys(apart))
+    assert len(set(keys(apart))) == len(apart)

@@ -39,6 +39,7 @@ from flashserve.loaders.load import check_tensor_parallel, load_model
 from flashserve.models.sharding import SINGLE
 from flashserve.sampling.params import SamplingParams
 from flashserve.tokenizer.detokenizer import IncrementalDetokenizer
+from kernels.gemv import rows_compiled_apart
 
 __all__ = ["LLM", "REQUEST_FAILED", "EngineDeadError", "LLMEngine", "Request"]
 logger = logging.getLogger(__name__)
@@ -124,8 +125,11 @@ class LLMEngine:
         multiple of 16, anything else), and the prefill kernels take the step's tile count
         (128 queries a tile) and its number of prompts, so the warm-up meets the usual pairs:
         a greedy prompt of twice the step budget and 273 tokens alone (chunks of 16 tiles,
-        the first alone, the others over cached KV, then one of 3 tiles); a short one alone
-        (1 tile: a chat's first turn); a prompt of 273 tokens and a sampled one of 17 together
+        the first alone, the others over cached KV, then one of 3 tiles); short ones alone
+        (1 tile: a chat's first turn), one of each length at which the GEMVs of 2-16 rows
+        compile apart (``kernels.gemv.rows_compiled_apart``: 2, 3, 5, 9, 16; the decode graphs
+        meet only their buckets' row counts, and a TGI ``/generate`` of "Hello there" on a
+        byte-level vocabulary is 12); a prompt of 273 tokens and a sampled one of 17 together
         (2 prompts, 3 tiles); two short ones together, greedy and sampled (2 prompts, 1 tile).
         Each gets two tokens out (one where the context holds no more: decode batches of one
         and two, greedy, sampled and mixed), and its own token repeated as its prompt (no
@@ -143,7 +147,7 @@ class LLMEngine:
         greedy, sampled = 0.0, 1.0
         groups = (
             ((2 * self.config.max_num_batched_tokens + 273, greedy),),
-            ((17, greedy),),
+            *(((n, greedy),) for n in rows_compiled_apart()[1:]),
             ((273, greedy), (17, sampled)),
             ((17, greedy), (17, sampled)),
         )
