@@ -5,6 +5,7 @@ with long stop strings from a real server on ``dummy:tiny``."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import httpx
@@ -111,14 +112,23 @@ def _stream_text(client: httpx.Client, body: dict) -> tuple[str, list[float]]:
 
 def test_long_stop_strings_cost_the_same_per_token_all_along_the_stream(tiny_url):
     """Before the matcher, each token rescanned the text for every stop string: the time per
-    token grew with the text (4x from the first 100 chunks to the last 100 here; 1.2x now)."""
+    token grew with the text (4x from the first 100 chunks to the last 100 here; 1.2x now).
+    Compared as the median gap between chunks, over two streams if the first is off: a busy
+    machine stretches some gaps (once by 3.7x over 100 chunks' sum, in a CI run sharing the
+    CPU), where a rescan stretches every gap of the later chunks, in each stream."""
     # seeded sampling: random tokens, half of them placeholders "<|id|>" of 7 characters
     body = {"prompt": "hello", "max_tokens": 800, "seed": 7, "ignore_eos": True}
+    seen = []
     with httpx.Client(base_url=tiny_url, timeout=300) as client:
         plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        text, times = _stream_text(client, {**body, "stop": LONG_STOPS})
-    assert text == plain, "no stop string matches: the stream is the whole text"
-    assert len(times) > 400 and len(plain) > 2000, (len(times), len(plain))
-    first = times[101] - times[1]  # from the second chunk: the first one waits for the prefill
-    last = times[-1] - times[-101]
-    assert last < 2.5 * first + 0.1, f"first 100 chunks {first:.3f} s, last 100 {last:.3f} s"
+        for _ in range(2):
+            text, times = _stream_text(client, {**body, "stop": LONG_STOPS})
+            assert text == plain, "no stop string matches: the stream is the whole text"
+            assert len(times) > 400 and len(plain) > 2000, (len(times), len(plain))
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            # from the second chunk: the first one waits for the prefill
+            first, last = statistics.median(gaps[1:101]), statistics.median(gaps[-100:])
+            seen.append(f"{first * 1e3:.2f} -> {last * 1e3:.2f} ms")
+            if last < 2.5 * first + 1e-3:
+                return
+    pytest.fail(f"median gap between chunks, first 100 -> last 100: {seen}")
