@@ -7,10 +7,14 @@ Runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which compi
 each launch's arguments are keyed the way Triton 3.x keys its compiles (a tensor's dtype and
 16-byte alignment, an integer's kind: 1, a multiple of 16 or other, unless the kernel lists it
 in ``do_not_specialize``; the constexprs' values). An engine on ``dummy:tiny`` with the Triton
-backend, eager (the decode kernel too: on a GPU, decode-only steps replay the graphs captured at
-start-up, but steps that mix prefill chunks and decodes launch it as here), 128-token blocks and
-its warm-up; then a few workloads one after another, each new key printed with its integer
-arguments' kinds. A measurement tool only; never imported by the engine.
+backend, 128-token blocks and its warm-up, made to launch what a GPU server launches: the
+projections of 1-16 rows go through the weight-streaming GEMV (``kernels.gemv.linear_small_m``,
+which only CUDA tensors take otherwise), and before the warm-up each decode-graph bucket's step
+runs once as ``DecodeGraphs`` runs it before capturing it. After that the decode-only steps
+that a GPU would replay from those graphs run eagerly with their launches not keyed (a replay
+compiles nothing); the other steps, those that mix prefill chunks and decodes among them,
+launch as on a GPU. Then a few workloads one after another, each new key printed with its
+integer arguments' kinds. A measurement tool only; never imported by the engine.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ import time
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import types  # noqa: E402
+
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+import kernels.gemv  # noqa: E402
 from flashserve.config import EngineConfig  # noqa: E402
+from flashserve.engine import cuda_graph, model_runner  # noqa: E402
 from flashserve.engine.llm_engine import LLM  # noqa: E402
 from flashserve.sampling.params import SamplingParams  # noqa: E402
 
@@ -48,6 +56,8 @@ def _kind(v, unspecialized: bool, constexpr: bool):
 
 
 def _keyed_run(self, *args, grid, warmup, **kwargs):
+    if PHASE[0] == "replay":
+        return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
     params = inspect.signature(self.fn).parameters
     consts = {n for n, p in params.items() if p.annotation in (tl.constexpr, "tl.constexpr")}
     loose = self.kwargs.get("do_not_specialize") or ()
@@ -58,19 +68,66 @@ def _keyed_run(self, *args, grid, warmup, **kwargs):
     key = (self.fn.__name__, tuple(kinds.items()), options)
     if key not in KEYS:
         KEYS[key] = PHASE[0]
-        if PHASE[0] != "warm-up":
+        if PHASE[0] not in ("graph capture", "warm-up"):
             ints = {n: k for n, k in kinds.items() if isinstance(bound[n], int) and n not in consts}
             print(f"  new after the warm-up ({PHASE[0]}): {self.fn.__name__} {ints}")
     return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
 
+def _streams_on_the_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``kernels.gemv._streams`` without its CUDA condition."""
+    rows = x.dim() == 2 and 1 <= x.shape[0] <= kernels.gemv.MAX_M
+    return rows and x.stride(1) == 1 and weight.is_contiguous()
+
+
+_runner_init = model_runner.ModelRunner.__init__
+
+
+def _runner_init_and_capture(runner, *args, **kwargs) -> None:
+    """``ModelRunner.__init__``, then each decode bucket's step as ``DecodeGraphs`` runs it
+    before capturing it (its ``_forward`` on the static buffers), largest first."""
+    _runner_init(runner, *args, **kwargs)
+    PHASE[0] = "graph capture"
+    buckets = cuda_graph.batch_buckets(runner.config.max_num_seqs)
+    n, max_blocks = buckets[-1], -(-runner.max_model_len // runner.block_size)
+    specs = {"input_ids": ((n,), torch.int64), "positions": ((n,), torch.int64),
+             **runner.backend.graph_buffers(n, max_blocks)}  # fmt: skip
+    fixed = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    graphs = types.SimpleNamespace(runner=runner, backend=runner.backend,
+                                   staging=types.SimpleNamespace(fixed=fixed))  # fmt: skip
+    with torch.inference_mode():
+        for b in reversed(buckets):
+            cuda_graph.DecodeGraphs._forward(graphs, b)
+    PHASE[0] = "warm-up"
+
+
+_runner_forward = model_runner.ModelRunner._forward
+
+
+def _forward_or_replay(runner, plan, *args):
+    """``ModelRunner._forward``, its launches unkeyed where a GPU replays a decode graph
+    (``DecodeGraphs.can_run``: every table fits the graphs', which span max_model_len)."""
+    if plan.eager or not plan.is_decode:
+        return _runner_forward(runner, plan, *args)
+    if plan.batch_size > cuda_graph.batch_buckets(runner.config.max_num_seqs)[-1]:
+        return _runner_forward(runner, plan, *args)
+    phase, PHASE[0] = PHASE[0], "replay"
+    try:
+        return _runner_forward(runner, plan, *args)
+    finally:
+        PHASE[0] = phase
+
+
 def main() -> None:
     interpreter.InterpretedFunction.run = _keyed_run
+    kernels.gemv._streams = _streams_on_the_cpu
+    model_runner.ModelRunner.__init__ = _runner_init_and_capture
+    model_runner.ModelRunner._forward = _forward_or_replay
     PHASE[0] = "warm-up"
     start = time.perf_counter()
     config = EngineConfig(model="dummy:tiny", device="cpu", dtype="float16",
                           attention_backend="triton", enforce_eager=True, block_size=128,
-                          max_kv_tokens=65536, warm_up=True)  # fmt: skip
+                          max_kv_tokens=65536, max_num_seqs=32, warm_up=True)  # fmt: skip
     llm = LLM(config)
     print(f"engine ready in {time.perf_counter() - start:.0f} s: {len(KEYS)} keys")
     gen = torch.Generator().manual_seed(0)
@@ -80,16 +137,22 @@ def main() -> None:
 
     sixteen = torch.randint(20, 100, (16,), generator=gen).tolist()
     workloads = {
+        "a prompt of 12 tokens (a TGI /generate of 'Hello there', BOS and 11 bytes)": prompts([12]),
+        "prompts of 3, 5, 9 tokens, one after another": None,
         "one prompt of 40 tokens": prompts([40]),
         "a 1-token prompt": prompts([1]),
         "16 prompts of 20-100 tokens at once": prompts(sixteen),
         "5 prompts of about 300 tokens": prompts([300, 310, 290, 305, 295]),
         "a prompt of 1,900 tokens": prompts([1900]),
+        "200 and 1,900 tokens together (the long one's last chunk beside a decode)": prompts(
+            [200, 1900]
+        ),
     }
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     for name, batch in workloads.items():
         PHASE[0] = name
-        llm.generate(batch, params)
+        for one in [[p] for p in prompts([3, 5, 9])] if batch is None else [batch]:
+            llm.generate(one, params)
     print("keys by the phase that met them first:", dict(collections.Counter(KEYS.values())))
 
 
