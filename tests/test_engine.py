@@ -157,10 +157,12 @@ def test_scheduling_does_not_change_greedy_output(overrides):
 
 def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch):
     """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs its groups of
-    requests (a greedy prompt of twice the step budget and 273 tokens; one of each length at
-    which the GEMVs compile apart, alone: 2, 3, 5, 9, 16; 273 and a sampled 17 together; 17
-    and a sampled 17 together), every prompt computed whole (none served from another's
-    cached blocks), before the engine is ready; after them the pool is whole, the prefix cache
+    requests before the engine is ready: a greedy prompt of twice the step budget and 273
+    tokens; for each row count at which the GEMVs compile apart (2, 3, 5, 9, 16) a prompt of
+    that many tokens alone, and, where max_num_seqs lets them run at once, that many prompts of
+    one token together (steps of n rows at the projections and at the LM head); 273 and a
+    sampled 17 together; 17 and a sampled 17 together. Every prompt is computed whole (none
+    served from another's cached blocks); after them the pool is whole, the prefix cache
     empty, the counters zero, and unseeded sampling draws as an engine without them draws
     (they carry their own seeds)."""
     from flashserve.engine.model_runner import ModelRunner
@@ -178,14 +180,21 @@ def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch
     with caplog.at_level("INFO", logger="flashserve.engine.llm_engine"):
         warm = LLM(EngineConfig(**kw, warm_up=True))
     monkeypatch.setattr(ModelRunner, "execute", execute)
-    sizes = [401, 2, 3, 5, 9, 16, 273, 17, 17, 17]
-    assert f"warm-up: requests of {', '.join(map(str, sizes))} prompt tokens" in caplog.text
-    prefills = [n for step in steps for done, n in step if done == 0]
+    assert rows_compiled_apart() == (1, 2, 3, 5, 9, 16)
+    sizes = [401, 2, 3, 5, 9, 16, 1, 1, 1, 1, 1, 273, 17, 17, 17]  # 2 and 3 prompts of 1: <= 4
+    shown = "401; 2; 3; 5; 9; 16; 2 x 1; 3 x 1; 273 + 17; 17 + 17"
+    assert f"warm-up: {len(sizes)} requests in " in caplog.text
+    assert f"prompt tokens by group: {shown}" in caplog.text
     assert sum(n for step in steps for _, n in step) == sum(sizes) + len(sizes), steps
-    assert prefills == [64, 2, 3, 5, 9, 16, 64, 17, 17, 17], steps  # first chunks from token 0
-    alone = [step[0][1] for step in steps if len(step) == 1 and step[0][0] == 0]
-    assert alone[1:6] == list(rows_compiled_apart()[1:]), steps  # the GEMVs' row counts
-    assert [len(step) for step in steps].count(2) == 4, steps  # two pairs: prefill, decode
+    prefills = [[n for done, n in step if done == 0] for step in steps]
+    # every first chunk from token 0; the groups' first steps, one after another
+    assert [p for p in prefills if p] == [[64], [2], [3], [5], [9], [16], [1, 1], [1, 1, 1],
+                                          [64], [17], [17, 17]], steps  # fmt: skip
+    rows = [sum(n for _, n in step) for step in steps]
+    assert {2, 3, 5, 9, 16} <= set(rows), rows  # the projections' row counts
+    # steps of 2 and 3 prompts: their prefill and decode, and the two pairs'
+    widths = [len(step) for step in steps]
+    assert (widths.count(2), widths.count(3), max(widths)) == (6, 2, 3), steps
     cold = LLM(EngineConfig(**kw))
     assert "warm-up" not in caplog.text.split("prompt tokens", 1)[1]  # not the second engine
     bm, sched = warm.engine.block_manager, warm.engine.scheduler

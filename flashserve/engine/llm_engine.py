@@ -125,17 +125,19 @@ class LLMEngine:
         multiple of 16, anything else), and the prefill kernels take the step's tile count
         (128 queries a tile) and its number of prompts, so the warm-up meets the usual pairs:
         a greedy prompt of twice the step budget and 273 tokens alone (chunks of 16 tiles,
-        the first alone, the others over cached KV, then one of 3 tiles); short ones alone
-        (1 tile: a chat's first turn), one of each length at which the GEMVs of 2-16 rows
-        compile apart (``kernels.gemv.rows_compiled_apart``: 2, 3, 5, 9, 16; the decode graphs
-        meet only their buckets' row counts, and a TGI ``/generate`` of "Hello there" on a
-        byte-level vocabulary is 12); a prompt of 273 tokens and a sampled one of 17 together
-        (2 prompts, 3 tiles); two short ones together, greedy and sampled (2 prompts, 1 tile).
-        Each gets two tokens out (one where the context holds no more: decode batches of one
-        and two, greedy, sampled and mixed), and its own token repeated as its prompt (no
-        prompt starts like another, so none is served from the prefix cache); the prompts are
-        shorter where the context is. It runs on throwaway state (``__init__`` makes it afresh
-        after), with its own seeds, so that the pool, the prefix cache, the counters and
+        the first alone, the others over cached KV, then one of 3 tiles); a prompt of 273
+        tokens and a sampled one of 17 together (2 prompts, 3 tiles); two short ones together,
+        greedy and sampled (2 prompts, 1 tile). The GEMVs of 2-16 rows compile apart at the
+        row counts ``kernels.gemv.rows_compiled_apart`` gives (2, 3, 5, 9, 16), and the decode
+        graphs meet only their buckets' counts, so for each such n it runs a prompt of n tokens
+        alone (the projections at n rows; 1 tile, a chat's first turn: a TGI ``/generate`` of
+        "Hello there" on a byte-level vocabulary is 12) and n prompts of one token together
+        (the LM head at n rows too, and a step of n prompts) where ``max_num_seqs`` lets n run
+        at once. Each gets two tokens out (one where the context holds no more: decode batches
+        of one and more, greedy, sampled and mixed), and its own token repeated as its prompt
+        (no prompt starts like another, so none is served from the prefix cache); the prompts
+        are shorter where the context is. It runs on throwaway state (``__init__`` makes it
+        afresh after), with its own seeds, so that the pool, the prefix cache, the counters and
         unseeded requests' seeds are as without it. A server's first request of 31,000 tokens
         at TP=2 on a fresh pair of H200s: 10.9 s to its first token without it, 0.70 s with
         it (p50 of three: 0.65), after 15.9 s of warm-up at start-up
@@ -145,16 +147,20 @@ class LLMEngine:
         start = time.perf_counter()
         longest = self.max_model_len - 2
         greedy, sampled = 0.0, 1.0
+        rows = rows_compiled_apart()[1:]
         groups = (
             ((2 * self.config.max_num_batched_tokens + 273, greedy),),
-            *(((n, greedy),) for n in rows_compiled_apart()[1:]),
+            *(((n, greedy),) for n in rows),
+            *(((1, greedy),) * n for n in rows if n <= self.config.max_num_seqs),
             ((273, greedy), (17, sampled)),
             ((17, greedy), (17, sampled)),
         )
-        sizes = []
+        sizes, shown = [], []
         for group in groups:
-            for i, (n, temperature) in enumerate(group):
-                n = max(1, min(n, longest))
+            lens = [max(1, min(n, longest)) for n, _ in group]
+            same = len(group) > 1 and len(set(group)) == 1  # one prompt, n times
+            shown.append(f"{len(lens)} x {lens[0]}" if same else " + ".join(map(str, lens)))
+            for i, (n, (_, temperature)) in enumerate(zip(lens, group)):
                 out_len = min(2, self.max_model_len - n)
                 params = SamplingParams(max_new_tokens=out_len, temperature=temperature,
                                         ignore_eos=True, seed=i)  # fmt: skip
@@ -166,8 +172,8 @@ class LLMEngine:
                 for out in self.step():
                     if out.error:
                         raise RuntimeError(f"the start-up warm-up request failed: {out.error}")
-        logger.info("warm-up: requests of %s prompt tokens in %.1f s",
-                    ", ".join(map(str, sizes)), time.perf_counter() - start)  # fmt: skip
+        logger.info("warm-up: %d requests in %.1f s, prompt tokens by group: %s", len(sizes),
+                    time.perf_counter() - start, "; ".join(shown))  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------
 
