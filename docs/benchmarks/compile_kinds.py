@@ -142,6 +142,7 @@ def main() -> None:
         "one prompt of 40 tokens": prompts([40]),
         "a 1-token prompt": prompts([1]),
         "16 prompts of 20-100 tokens at once": prompts(sixteen),
+        "12 prompts of 20-100 tokens at once": prompts(sixteen[:12]),
         "5 prompts of about 300 tokens": prompts([300, 310, 290, 305, 295]),
         "a prompt of 1,900 tokens": prompts([1900]),
         "200 and 1,900 tokens together (the long one's last chunk beside a decode)": prompts(
