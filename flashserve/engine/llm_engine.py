@@ -131,9 +131,10 @@ class LLMEngine:
         row counts ``kernels.gemv.rows_compiled_apart`` gives (2, 3, 5, 9, 16), and the decode
         graphs meet only their buckets' counts, so for each such n it runs a prompt of n tokens
         alone (the projections at n rows; 1 tile, a chat's first turn: a TGI ``/generate`` of
-        "Hello there" on a byte-level vocabulary is 12) and n prompts of one token together
-        (the LM head at n rows too, and a step of n prompts) where ``max_num_seqs`` lets n run
-        at once. Each gets two tokens out (one where the context holds no more: decode batches
+        "Hello there" on a byte-level vocabulary is 12) and n prompts of two tokens together
+        (the LM head at n rows, and a step of n prompts; prompts of one token would make a
+        decode-shaped step, which replays a decode graph) where ``max_num_seqs`` lets n run at
+        once. Each gets two tokens out (one where the context holds no more: decode batches
         of one and more, greedy, sampled and mixed), and its own token repeated as its prompt
         (no prompt starts like another, so none is served from the prefix cache); the prompts
         are shorter where the context is. It runs on throwaway state (``__init__`` makes it
@@ -151,7 +152,7 @@ class LLMEngine:
         groups = (
             ((2 * self.config.max_num_batched_tokens + 273, greedy),),
             *(((n, greedy),) for n in rows),
-            *(((1, greedy),) * n for n in rows if n <= self.config.max_num_seqs),
+            *(((2, greedy),) * n for n in rows if n <= self.config.max_num_seqs),
             ((273, greedy), (17, sampled)),
             ((17, greedy), (17, sampled)),
         )
