@@ -161,11 +161,10 @@ def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch
     tokens; for each row count at which the GEMVs compile apart (2, 3, 5, 9, 16) a prompt of
     that many tokens alone, and, where max_num_seqs lets them run at once, that many prompts of
     two tokens together (steps of n rows at the projections and at the LM head, none of them
-    decode-shaped); 273 and a
-    sampled 17 together; 17 and a sampled 17 together. Every prompt is computed whole (none
-    served from another's cached blocks); after them the pool is whole, the prefix cache
-    empty, the counters zero, and unseeded sampling draws as an engine without them draws
-    (they carry their own seeds)."""
+    decode-shaped); 273 and a sampled 17 together; 17 and a sampled 17 together. Every prompt
+    is computed whole (none served from another's cached blocks); after them the pool is
+    whole, the prefix cache empty, the counters zero, and unseeded sampling draws as an engine
+    without them draws (they carry their own seeds)."""
     from flashserve.engine.model_runner import ModelRunner
 
     steps = []
