@@ -1,7 +1,7 @@
 """Which Triton specializations a server meets only after its start-up warm-up: each of them is
 a compile in the middle of serving (seconds, every stream stalled) on a GPU.
 
-    python3 docs/benchmarks/compile_kinds.py
+    python3 docs/benchmarks/compile_kinds.py [FIELD=VALUE ...]   # e.g. kv_cache_dtype=fp8
 
 Runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing;
 each launch's arguments are keyed the way Triton 3.x keys its compiles (a tensor's dtype and
@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import inspect
 import os
+import sys
 import time
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -125,9 +126,11 @@ def main() -> None:
     model_runner.ModelRunner._forward = _forward_or_replay
     PHASE[0] = "warm-up"
     start = time.perf_counter()
+    fields = dict(arg.split("=", 1) for arg in sys.argv[1:])  # EngineConfig's, as strings
     config = EngineConfig(model="dummy:tiny", device="cpu", dtype="float16",
                           attention_backend="triton", enforce_eager=True, block_size=128,
-                          max_kv_tokens=65536, max_num_seqs=32, warm_up=True)  # fmt: skip
+                          max_kv_tokens=65536, max_num_seqs=32, warm_up=True, **fields)  # fmt: skip
+    print("engine options:", fields or "as above")
     llm = LLM(config)
     print(f"engine ready in {time.perf_counter() - start:.0f} s: {len(KEYS)} keys")
     gen = torch.Generator().manual_seed(0)
