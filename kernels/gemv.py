@@ -852,15 +852,15 @@ def _fuses(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
 
 
 def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` takes ``linear_small_m`` for these operands: CUDA, decode batch
-    sizes (1 <= T <= MAX_M), contiguous weight and rows."""
-    return (
-        x.is_cuda
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_M
-        and x.stride(1) == 1
-        and weight.is_contiguous()
-    )
+    """Whether ``linear`` takes ``linear_small_m`` for these operands: CUDA and
+    ``streamable_shapes``."""
+    return x.is_cuda and streamable_shapes(x, weight)
+
+
+def streamable_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Decode batch sizes (1 <= T <= MAX_M), contiguous weight and rows: the operands
+    ``linear_small_m`` takes on any device (``_streams`` adds CUDA)."""
+    return x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.stride(1) == 1 and weight.is_contiguous()
 
 
 def linear(

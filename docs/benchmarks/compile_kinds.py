@@ -75,30 +75,23 @@ def _keyed_run(self, *args, grid, warmup, **kwargs):
     return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
 
-def _streams_on_the_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """``kernels.gemv._streams`` without its CUDA condition."""
-    rows = x.dim() == 2 and 1 <= x.shape[0] <= kernels.gemv.MAX_M
-    return rows and x.stride(1) == 1 and weight.is_contiguous()
-
-
 _runner_init = model_runner.ModelRunner.__init__
 
 
 def _runner_init_and_capture(runner, *args, **kwargs) -> None:
     """``ModelRunner.__init__``, then each decode bucket's step as ``DecodeGraphs`` runs it
-    before capturing it (its ``_forward`` on the static buffers), largest first."""
+    before capturing it (its ``_forward`` on the static buffers), largest first; the runner
+    keeps the graphs' stand-in for ``_forward_or_replay``."""
     _runner_init(runner, *args, **kwargs)
     PHASE[0] = "graph capture"
-    buckets = cuda_graph.batch_buckets(runner.config.max_num_seqs)
-    n, max_blocks = buckets[-1], -(-runner.max_model_len // runner.block_size)
-    specs = {"input_ids": ((n,), torch.int64), "positions": ((n,), torch.int64),
-             **runner.backend.graph_buffers(n, max_blocks)}  # fmt: skip
+    buckets, max_blocks, specs = cuda_graph.graph_layout(runner)
     fixed = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
-    graphs = types.SimpleNamespace(runner=runner, backend=runner.backend,
-                                   staging=types.SimpleNamespace(fixed=fixed))  # fmt: skip
+    runner.cpu_graphs = types.SimpleNamespace(
+        runner=runner, backend=runner.backend, buckets=buckets, max_blocks=max_blocks,
+        staging=types.SimpleNamespace(fixed=fixed))  # fmt: skip
     with torch.inference_mode():
         for b in reversed(buckets):
-            cuda_graph.DecodeGraphs._forward(graphs, b)
+            cuda_graph.DecodeGraphs._forward(runner.cpu_graphs, b)
     PHASE[0] = "warm-up"
 
 
@@ -107,10 +100,8 @@ _runner_forward = model_runner.ModelRunner._forward
 
 def _forward_or_replay(runner, plan, *args):
     """``ModelRunner._forward``, its launches unkeyed where a GPU replays a decode graph
-    (``DecodeGraphs.can_run``: every table fits the graphs', which span max_model_len)."""
-    if plan.eager or not plan.is_decode:
-        return _runner_forward(runner, plan, *args)
-    if plan.batch_size > cuda_graph.batch_buckets(runner.config.max_num_seqs)[-1]:
+    (``ModelRunner._run``'s test: not eager, and ``DecodeGraphs.can_run``)."""
+    if plan.eager or not cuda_graph.DecodeGraphs.can_run(runner.cpu_graphs, plan):
         return _runner_forward(runner, plan, *args)
     phase, PHASE[0] = PHASE[0], "replay"
     try:
@@ -121,7 +112,7 @@ def _forward_or_replay(runner, plan, *args):
 
 def main() -> None:
     interpreter.InterpretedFunction.run = _keyed_run
-    kernels.gemv._streams = _streams_on_the_cpu
+    kernels.gemv._streams = kernels.gemv.streamable_shapes  # without its CUDA condition
     model_runner.ModelRunner.__init__ = _runner_init_and_capture
     model_runner.ModelRunner._forward = _forward_or_replay
     PHASE[0] = "warm-up"

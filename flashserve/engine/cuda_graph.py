@@ -40,6 +40,20 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def graph_layout(runner) -> tuple[list[int], int, dict]:
+    """A runner's decode graphs: their batch buckets, the block-table width they capture (the
+    blocks of max_model_len), and the static buffers' specs (name -> (shape, dtype)) for the
+    largest bucket, which every graph reads views of."""
+    buckets = batch_buckets(runner.config.max_num_seqs)
+    n, max_blocks = buckets[-1], -(-runner.max_model_len // runner.block_size)
+    fixed = {
+        "input_ids": ((n,), torch.int64),
+        "positions": ((n,), torch.int64),
+        **runner.backend.graph_buffers(n, max_blocks),
+    }
+    return buckets, max_blocks, fixed
+
+
 class DecodeGraphs:
     """Captured decode steps (model forward + logits + greedy picks) for each batch-size bucket.
 
@@ -51,14 +65,8 @@ class DecodeGraphs:
     def __init__(self, runner):
         self.runner = runner
         self.backend = runner.backend
-        self.buckets = batch_buckets(runner.config.max_num_seqs)
+        self.buckets, self.max_blocks, fixed = graph_layout(runner)
         n = self.buckets[-1]
-        self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        fixed = {
-            "input_ids": ((n,), torch.int64),
-            "positions": ((n,), torch.int64),
-            **self.backend.graph_buffers(n, self.max_blocks),
-        }
         dynamic = 64 * n + n * self.max_blocks + 4096
         self.staging = Staging(runner.device, dynamic, fixed, spill=runner.staging)
         # bucket -> (graph, logits [b, V] float32, greedy [2, b] float64: token ids, logprobs)

@@ -156,7 +156,7 @@ class LLMEngine:
             ((273, greedy), (17, sampled)),
             ((17, greedy), (17, sampled)),
         )
-        sizes, shown = [], []
+        made, shown = 0, []
         for group in groups:
             lens = [max(1, min(n, longest)) for n, _ in group]
             same = len(group) > 1 and len(set(group)) == 1  # one prompt, n times
@@ -166,14 +166,14 @@ class LLMEngine:
                 params = SamplingParams(max_new_tokens=out_len, temperature=temperature,
                                         ignore_eos=True, seed=i)  # fmt: skip
                 # a token of its own per request: no prompt reuses another's cached blocks
-                token = len(sizes) % self.model_config.vocab_size
-                self.add(self.make_request([token] * n, params, f"warm-up {len(sizes)}"))
-                sizes.append(n)
+                token = made % self.model_config.vocab_size
+                self.add(self.make_request([token] * n, params, f"warm-up {made}"))
+                made += 1
             while self.has_unfinished():
                 for out in self.step():
                     if out.error:
                         raise RuntimeError(f"the start-up warm-up request failed: {out.error}")
-        logger.info("warm-up: %d requests in %.1f s, prompt tokens by group: %s", len(sizes),
+        logger.info("warm-up: %d requests in %.1f s, prompt tokens by group: %s", made,
                     time.perf_counter() - start, "; ".join(shown))  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------
