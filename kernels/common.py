@@ -13,6 +13,14 @@ import triton.language as tl
 
 from kernels.kv_quant import check_kv_scales
 
+# The prefill kernels' integer arguments that change from step to step: the step's query tiles,
+# its number of prompts, its block tables' width. Triton specializes an integer argument by kind
+# (1, a multiple of 16, other) and compiles the kernel again for each new kind, in the middle of
+# serving: after the start-up warm-up, a first step of 16 prompts still met a new kind (counted
+# on the CPU, docs/benchmarks/serving.md, session 31). They only find a program's work item and
+# a table's row, never the KV loop, so they are not specialized: one compile serves every step.
+PREFILL_STEP_INTS = ("n_tiles", "n_seqs", "stride_btb")
+
 
 def measured_for(device_name: str, table: tuple, default):
     """The value a per-GPU tuning table (``(part of a GPU's name, value)`` pairs, the first

@@ -82,6 +82,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import (
+    PREFILL_STEP_INTS,
     check_cache_dtypes,
     check_window_softcap,
     f16_queries,
@@ -392,7 +393,7 @@ def _prefill_tile(
             tl.store(Lse + rows * stride_lt + h * stride_lh, lse, mask=m_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PREFILL_STEP_INTS)
 def _prefill_kernel(
     Q,  # [T, Hq, D]
     K,  # [N, PAGE, Hkv, D], or (TMA) a descriptor over it as [N * PAGE, Hkv * D]

@@ -43,7 +43,7 @@ import dataclasses
 import torch
 import triton
 
-from kernels.common import num_sms
+from kernels.common import PREFILL_STEP_INTS, num_sms
 from kernels.kv_quant import is_head_major
 from kernels.prefill_paths import gluon_triton_refusal
 
@@ -403,7 +403,7 @@ if HAVE_GLUON:
                     lse = (gl.convert_layout(m_i, o_rows) + gl.log2(l_o)) * 0.6931471805599453
                     gl.store(Lse + rows * stride_lt + h * stride_lh, lse, mask=live)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=PREFILL_STEP_INTS)
     def _gluon_prefill_kernel(
         Q,  # [T, Hq, D]
         k_desc,  # descriptors over the pools as [N * PAGE, Hkv * D], blocks [BLOCK_N, D]
