@@ -13,13 +13,24 @@ import triton.language as tl
 
 from kernels.kv_quant import check_kv_scales
 
-# The prefill kernels' integer arguments that change from step to step: the step's query tiles,
-# its number of prompts, its block tables' width. Triton specializes an integer argument by kind
-# (1, a multiple of 16, other) and compiles the kernel again for each new kind, in the middle of
-# serving: after the start-up warm-up, a first step of 16 prompts still met a new kind (counted
-# on the CPU, docs/benchmarks/serving.md, session 31). They only find a program's work item and
-# a table's row, never the KV loop, so they are not specialized: one compile serves every step.
-PREFILL_STEP_INTS = ("n_tiles", "n_seqs", "stride_btb")
+# Triton specializes an integer argument by kind (1, a multiple of 16, other) and compiles the
+# kernel again for each new kind, in the middle of serving. The prefill kernels' step counts, its
+# query tiles and number of prompts, change kind from step to step; they only find a program's
+# work item, never the KV loop, so they are not specialized: one compile serves every step
+# (after the start-up warm-up, a fresh server under a mixed load compiled the Gluon prefill
+# kernel 9 times without this; docs/benchmarks/serving.md, session 33).
+PREFILL_STEP_INTS = ("n_tiles", "n_seqs")
+# The block tables' row stride is kept of one kind instead (``table_columns``): unspecialized it
+# cost the Hopper prefill path 12% at 64-token pages (its table loads lose the alignment).
+TABLE_COLUMNS_MULTIPLE = 16
+
+
+def table_columns(longest: int) -> int:
+    """Columns of a step's block tables: its longest table (at least 1) rounded up to a
+    multiple of ``TABLE_COLUMNS_MULTIPLE``, so that the kernels' row stride is always of one
+    kind to Triton (no compile for a new width) and divisible by 16."""
+    m = TABLE_COLUMNS_MULTIPLE
+    return max(1, -(-longest // m)) * m
 
 
 def measured_for(device_name: str, table: tuple, default):

@@ -38,7 +38,8 @@ def test_backends_are_typed_and_complete():
 
 def test_eager_metadata_splits_decodes_from_prefill_chunks():
     """Two decodes, then a prefill chunk over cached context and a whole prompt: one upload,
-    lengths and tables split at the decodes (views), query offsets of the chunks."""
+    lengths and tables split at the decodes (views; 16 columns, zero padded), query offsets
+    of the chunks."""
     seqs = [
         _seq(6, 5, 1, [7, 3]),  # decode at position 5
         _seq(9, 8, 1, [1, 4, 8]),  # decode at position 8
@@ -56,13 +57,33 @@ def test_eager_metadata_splits_decodes_from_prefill_chunks():
     assert meta.slot_mapping.tolist() == slots
     assert (meta.num_decode_tokens, meta.num_prefill_tokens) == (2, 8)
     assert meta.decode_seq_lens.tolist() == [6, 9] and meta.max_decode_seq_len == 9
-    assert meta.decode_block_tables.tolist() == [[7, 3, 0], [1, 4, 8]]
+    pad = [0] * 13
+    assert meta.decode_block_tables.tolist() == [[7, 3, 0] + pad, [1, 4, 8] + pad]
     assert meta.prefill_cu_seqlens_q.tolist() == [0, 5, 8]
     assert meta.prefill_seq_lens.tolist() == [9, 3] and meta.max_prefill_seq_len == 9
-    assert meta.prefill_block_tables.tolist() == [[2, 6, 9], [5, 0, 0]]
+    assert meta.prefill_block_tables.tolist() == [[2, 6, 9] + pad, [5, 0, 0] + pad]
     assert meta.max_prefill_query_len == 5
     tables = meta.decode_block_tables
-    assert meta.prefill_block_tables.data_ptr() == tables.data_ptr() + 2 * 3 * 4  # one [B, M]
+    assert meta.prefill_block_tables.data_ptr() == tables.data_ptr() + 2 * 16 * 4  # one [B, M]
+
+
+def test_eager_tables_keep_one_stride_kind_for_every_width():
+    """The eager tables' row stride, an integer argument of every attention kernel, is a
+    multiple of 16 for any longest table: Triton sees one kind (no compile for a new width)."""
+    import random
+
+    for longest in [1, 2, 15, 16, 17, 31, 32, 33, random.randint(34, 5000)]:
+        seqs = [_seq(longest * BS, longest * BS - 1, 1, list(range(longest))),
+                _seq(3, 0, 3, [longest])]  # fmt: skip
+        plan = StepPlan.build(seqs, BS)
+        up = Staging("cpu").begin()
+        meta = load_backend("torch").prepare_metadata(plan, up)
+        up.send()
+        tables = meta.decode_block_tables
+        width = tables.stride(0)
+        assert width % 16 == 0 and longest <= width < longest + 16, (longest, width)
+        assert tables[0, :longest].tolist() == list(range(longest))
+        assert meta.prefill_block_tables[0].tolist() == [longest] + [0] * (width - 1)
 
 
 def test_graph_hooks_capture_static_buffers_and_replay_writes_them():

@@ -649,9 +649,10 @@ def test_prefill_gluon_sweep_configs_are_right(d):
 
 @pytest.mark.parametrize("path", ["portable", "hopper", "gluon"])
 def test_prefill_compiles_once_for_every_steps_counts(path):
-    """A step's tiles, prompts and block-table width (``kernels.common.PREFILL_STEP_INTS``) of
-    each kind Triton tells apart (1, a multiple of 16, other) after a first launch: no second
-    compile (Triton's ``jit_cache_hook`` sees none), and each result right."""
+    """A step's tiles and prompts (``kernels.common.PREFILL_STEP_INTS``) of each kind Triton
+    tells apart (1, a multiple of 16, other), and block tables as wide as the engine makes them
+    (``kernels.common.table_columns`` of the longest), after a first launch: no second compile
+    (Triton's ``jit_cache_hook`` sees none), and each result right."""
     import triton
 
     if path != "portable" and not _sm90():
@@ -659,11 +660,12 @@ def test_prefill_compiles_once_for_every_steps_counts(path):
     hook_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
     if hook_knobs is None or not hasattr(hook_knobs, "jit_cache_hook"):
         pytest.skip(f"Triton {triton.__version__} has no jit_cache_hook")
+    from kernels.common import table_columns
     from kernels.prefill import prefill_attention
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     # (query lengths, table width): prompts 1 / 16 / 3, tiles of 128 queries 1 / 16 / 17 / 3,
-    # widths of 128-token pages 1 / 16 / 17 / 20
+    # longest tables of 128-token pages 1 / 16 / 17 / 20 (16 / 16 / 32 / 32 columns)
     steps = [([100], 1), ([5] * 16, 1), ([300, 20, 7], 3), ([2048], 16), ([17, 2100], 17),
              ([int(n) for n in torch.randint(1, 400, (5,), generator=gen)], 20)]  # fmt: skip
     compiles = []
@@ -675,7 +677,7 @@ def test_prefill_compiles_once_for_every_steps_counts(path):
     before = hook_knobs.jit_cache_hook
     try:
         for i, (qlens, width) in enumerate(steps):
-            k, v, bt, sl = paged(qlens, 8, 128, 128, width=width)
+            k, v, bt, sl = paged(qlens, 8, 128, 128, width=table_columns(width))
             q = torch.randn(sum(qlens), 32, 128, device="cuda", dtype=torch.bfloat16)
             cu = cu_of(qlens)
             out = prefill_attention(q, k, v, cu, sl, bt, 0.088, max_query_len=max(qlens),

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kernels.common import table_columns
+
 if TYPE_CHECKING:  # the engine imports this module; these only type its hooks
     from flashserve.engine.staging import Spec, Upload
     from flashserve.engine.step_plan import StepPlan
@@ -115,7 +117,9 @@ class AttentionBackend(ABC):
 
     def prepare_metadata(self, plan: StepPlan, upload: Upload) -> AttentionMetadata:
         """The metadata of a step run eagerly: its slots, KV lengths, block tables ([B, W],
-        zero padded) and the prefill part's query offsets go into ``upload``."""
+        zero padded; W a multiple of 16, ``kernels.common.table_columns``, so that no step's
+        width makes the kernels compile again) and the prefill part's query offsets go into
+        ``upload``."""
         nd, b = plan.num_decodes, plan.batch_size
         cu = None
         if b > nd:
@@ -125,7 +129,7 @@ class AttentionBackend(ABC):
         return _metadata(
             slots=upload.add(plan.slot_mapping, torch.int64),
             seq_lens=upload.add(plan.seq_lens, torch.int32),
-            tables=upload.add_rows(plan.block_tables, plan.table_width),
+            tables=upload.add_rows(plan.block_tables, table_columns(plan.table_width)),
             cu=cu,
             num_decodes=nd,
             max_decode_seq_len=max(plan.seq_lens[:nd], default=0),
