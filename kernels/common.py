@@ -18,10 +18,13 @@ from kernels.kv_quant import check_kv_scales
 # query tiles and number of prompts, change kind from step to step; they only find a program's
 # work item, never the KV loop, so they are not specialized: one compile serves every step
 # (after the start-up warm-up, a fresh server under a mixed load compiled the Gluon prefill
-# kernel 9 times without this; docs/benchmarks/serving.md, session 33).
+# kernel 9 times with them specialized, 1 without; docs/benchmarks/serving.md, session 33).
+# Measured on an H200: the Gluon and portable paths level, the Hopper fallback 12% slower at
+# 64-token pages and level at 128 (the engine's default on sm_90).
 PREFILL_STEP_INTS = ("n_tiles", "n_seqs")
-# The block tables' row stride is kept of one kind instead (``table_columns``): unspecialized it
-# cost the Hopper prefill path 12% at 64-token pages (its table loads lose the alignment).
+# The block tables' row stride is an integer argument of every attention kernel; the engine keeps
+# it of one kind instead (``table_columns``), which keeps its divisibility known to the kernels
+# and the tables after the decodes' rows 16-byte aligned.
 TABLE_COLUMNS_MULTIPLE = 16
 
 

@@ -38,8 +38,8 @@ def test_backends_are_typed_and_complete():
 
 def test_eager_metadata_splits_decodes_from_prefill_chunks():
     """Two decodes, then a prefill chunk over cached context and a whole prompt: one upload,
-    lengths and tables split at the decodes (views; 16 columns, zero padded), query offsets
-    of the chunks."""
+    tables split at the decodes (views; 16 columns, zero padded), each part's lengths 16-byte
+    aligned, query offsets of the chunks; the decodes' length hint of a mixed step."""
     seqs = [
         _seq(6, 5, 1, [7, 3]),  # decode at position 5
         _seq(9, 8, 1, [1, 4, 8]),  # decode at position 8
@@ -65,6 +65,14 @@ def test_eager_metadata_splits_decodes_from_prefill_chunks():
     assert meta.max_prefill_query_len == 5
     tables = meta.decode_block_tables
     assert meta.prefill_block_tables.data_ptr() == tables.data_ptr() + 2 * 16 * 4  # one [B, M]
+    assert meta.decode_seq_lens.data_ptr() % 16 == 0 == meta.prefill_seq_lens.data_ptr() % 16
+    # beside decode graphs, the decodes of a mixed step take the graphs' length hint
+    hinted = load_backend("torch").prepare_metadata(plan, staging.begin(), mixed_decode_len=4096)
+    assert hinted.max_decode_seq_len == 4096 and hinted.max_prefill_seq_len == 9
+    assert hinted.decode_seq_lens.tolist() == [6, 9]
+    decodes = StepPlan.build(seqs[:2], BS)  # a decode-only step keeps its own longest
+    alone = load_backend("torch").prepare_metadata(decodes, staging.begin(), mixed_decode_len=4096)
+    assert alone.max_decode_seq_len == 9 and alone.prefill_seq_lens is None
 
 
 def test_eager_tables_keep_one_stride_kind_for_every_width():

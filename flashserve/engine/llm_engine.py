@@ -121,27 +121,27 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """Requests through the normal path before the engine is ready
         (``EngineConfig.warm_up``), so that the kernels the first prompts need are compiled
-        here. Triton compiles a kernel again for each kind of its integer arguments (1, a
-        multiple of 16, anything else), and the prefill kernels take the step's tile count
-        (128 queries a tile) and its number of prompts, so the warm-up meets the usual pairs:
-        a greedy prompt of twice the step budget and 273 tokens alone (chunks of 16 tiles,
-        the first alone, the others over cached KV, then one of 3 tiles); a prompt of 273
-        tokens and a sampled one of 17 together (2 prompts, 3 tiles); two short ones together,
-        greedy and sampled (2 prompts, 1 tile). The GEMVs of 2-16 rows compile apart at the
-        row counts ``kernels.gemv.rows_compiled_apart`` gives (2, 3, 5, 9, 16), and the decode
-        graphs meet only their buckets' counts, so for each such n it runs a prompt of n tokens
-        alone (the projections at n rows; 1 tile, a chat's first turn: a TGI ``/generate`` of
-        "Hello there" on a byte-level vocabulary is 12) and n prompts of two tokens together
-        (the LM head at n rows, and a step of n prompts; prompts of one token would make a
-        decode-shaped step, which replays a decode graph) where ``max_num_seqs`` lets n run at
-        once. Each gets two tokens out (one where the context holds no more: decode batches
-        of one and more, greedy, sampled and mixed), and its own token repeated as its prompt
-        (no prompt starts like another, so none is served from the prefix cache); the prompts
-        are shorter where the context is. It runs on throwaway state (``__init__`` makes it
-        afresh after), with its own seeds, so that the pool, the prefix cache, the counters and
-        unseeded requests' seeds are as without it. A server's first request of 31,000 tokens
-        at TP=2 on a fresh pair of H200s: 10.9 s to its first token without it, 0.70 s with
-        it (p50 of three: 0.65), after 15.9 s of warm-up at start-up
+        here. Triton compiles a kernel again for each kind of the integer arguments it
+        specializes (1, a multiple of 16, anything else; the prefill kernels take the step's
+        tiles and prompts unspecialized, ``kernels.common.PREFILL_STEP_INTS``, and the eager
+        steps' tables are padded to one kind of width). The warm-up meets: a greedy prompt of
+        twice the step budget and 273 tokens alone (chunks of 16 tiles, the first alone, the
+        others over cached KV, then one of 3 tiles); a prompt of 273 tokens and a sampled one of
+        17 together; two short ones together, greedy and sampled. The GEMVs of 2-16 rows compile
+        apart at the row counts ``kernels.gemv.rows_compiled_apart`` gives (2, 3, 5, 9, 16), and
+        the decode graphs meet only their buckets' counts, so for each such n it runs a prompt
+        of n tokens alone (the projections at n rows; 1 tile, a chat's first turn: a TGI
+        ``/generate`` of "Hello there" on a byte-level vocabulary is 12) and n prompts of two
+        tokens together (the LM head at n rows, and a step of n prompts; prompts of one token
+        would make a decode-shaped step, which replays a decode graph) where ``max_num_seqs``
+        lets n run at once. Each gets two tokens out (one where the context holds no more:
+        decode batches of one and more, greedy, sampled and mixed), and its own token repeated
+        as its prompt (no prompt starts like another, so none is served from the prefix cache);
+        the prompts are shorter where the context is. It runs on throwaway state (``__init__``
+        makes it afresh after), with its own seeds, so that the pool, the prefix cache, the
+        counters and unseeded requests' seeds are as without it. A server's first request of
+        31,000 tokens at TP=2 on a fresh pair of H200s: 10.9 s to its first token without it,
+        0.70 s with it (p50 of three: 0.65), after 15.9 s of warm-up at start-up
         (docs/benchmarks/serving.md, sessions 30-31)."""
         if self.max_model_len < 2:  # no room for a prompt and a token
             return
