@@ -1,8 +1,8 @@
 # The prefill kernels compiled once for every step's counts (kernels.common.PREFILL_STEP_INTS
-# unspecialized): the GPU test that no step of another kind compiles them again, and the prefill
-# kernels' tests (and that test over the base tree's kernels, where it should fail); the
-# prefill kernel table (4K / 16K, every path) of this tree and of one
-# without it carried as .carry/base (`git archive <rev> flashserve kernels server | tar -x -C
+# unspecialized, the tables' width padded to one kind): the GPU test that no step of another kind
+# compiles them again, and the prefill kernels' tests (and that test over the base tree's
+# kernels, where it should fail); the prefill kernel table (4K / 16K, every path) of this tree
+# and of one without it carried as .carry/base (`git archive <rev> flashserve kernels server | tar -x -C
 # .carry/base`); then start-up with Triton's cache empty and warm, both trees (startup.sh).
 #   run: TREE=<commit> bash docs/benchmarks/device/compile_once.sh   carry: [".whl", ".carry/base"]
 LIMIT=${LIMIT:-400}
