@@ -4,6 +4,8 @@ eagerly (``prepare_metadata``) and for captured decode graphs (``graph_buffers``
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -78,8 +80,6 @@ def test_eager_metadata_splits_decodes_from_prefill_chunks():
 def test_eager_tables_keep_one_stride_kind_for_every_width():
     """The eager tables' row stride, an integer argument of every attention kernel, is a
     multiple of 16 for any longest table: Triton sees one kind (no compile for a new width)."""
-    import random
-
     for longest in [1, 2, 15, 16, 17, 31, 32, 33, random.randint(34, 5000)]:
         seqs = [_seq(longest * BS, longest * BS - 1, 1, list(range(longest))),
                 _seq(3, 0, 3, [longest])]  # fmt: skip
@@ -118,3 +118,41 @@ def test_graph_hooks_capture_static_buffers_and_replay_writes_them():
     assert ahead.input_ids == [1, 0] and ahead.positions == [6, 2] and ahead.seq_lens == [7, 3]
     assert ahead.slot_mapping == [3 * BS + 2, 4 * BS + 2] and ahead.ahead and ahead.is_decode
     assert torch.equal(captured.slot_mapping, static["slot_mapping"][:4])
+
+
+def test_triton_kernels_in_mixed_steps_give_the_torch_backends_tokens(monkeypatch):
+    """An engine on the Triton kernels (Triton's interpreter here, float32), its mixed steps'
+    decodes planned by the decode graphs' length hint as a GPU runner with graphs plans them
+    (``ModelRunner.mixed_decode_len``), and prompts chunked beside decodes (a 64-token budget,
+    16-token blocks): the same greedy tokens as the torch backend."""
+    from flashserve.config import EngineConfig
+    from flashserve.engine.llm_engine import LLM
+    from flashserve.sampling.params import SamplingParams
+
+    lens = [random.randint(20, 60), random.randint(150, 260), random.randint(2, 9)]
+    prompts = [torch.randint(5, 200, (n,)).tolist() for n in lens]
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    tokens, hints = {}, []
+    for backend in ("torch", "triton"):
+        llm = LLM(EngineConfig(model="dummy:tiny", device="cpu", dtype="float32",
+                               attention_backend=backend, enforce_eager=True, block_size=16,
+                               max_num_batched_tokens=64, max_kv_tokens=4096, max_num_seqs=4,
+                               warm_up=False))  # fmt: skip
+        runner = llm.engine.runner
+        assert runner.mixed_decode_len == 0  # no graphs: no hint
+        runner.mixed_decode_len = runner.max_model_len
+        prepare = runner.backend.prepare_metadata
+
+        def watched(plan, upload, mixed_decode_len=0, prepare=prepare, backend=backend):
+            meta = prepare(plan, upload, mixed_decode_len)
+            if meta.num_decode_tokens and meta.num_prefill_tokens:
+                hints.append((backend, meta.max_decode_seq_len))
+            return meta
+
+        monkeypatch.setattr(runner.backend, "prepare_metadata", watched)
+        tokens[backend] = [out.token_ids for out in llm.generate(prompts, params)]
+    # mixed steps ran on both, each planned by the hint
+    hint = llm.engine.runner.max_model_len
+    assert hint > max(lens) + 6 and {h for _, h in hints} == {hint}
+    assert {b for b, _ in hints} == {"torch", "triton"}
+    assert tokens["triton"] == tokens["torch"]
