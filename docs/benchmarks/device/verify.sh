@@ -1,6 +1,7 @@
-# Every GPU test file, in three calls of under 10 minutes, on two GPUs where the machine has them
-# (one: the same work, one group after the other, as far as the time goes). The default model
-# travels in halves (wheels.sh), so:
+# Every GPU test file, in four calls of under 10 minutes, on two GPUs where the machine has them
+# (one: the same work, one group after the other, as far as the time goes; four: three calls,
+# PHASE=kernels taking PHASE=more's groups on GPUs 2 and 3). The default model travels in halves
+# (wheels.sh), so:
 #   call 1: PHASE=kernels bash docs/benchmarks/device/verify.sh   carry [".whl", ".carry/gguf.1"]
 #           the tests that need no default model: the kernels, the architectures' engines
 #           (tiny checkpoints), prefix caching, the sm_90 prefill paths (the first half of
@@ -12,16 +13,47 @@
 #           the other files with GPU cases (tiny models, no default model): the model on
 #           CUDA, async scheduling, the sampler, fp8 accuracy, bad input against a CUDA
 #           server, the greedy kernel, the folded all-reduce's kernels on one GPU
+#   call 4: PHASE=tp bash docs/benchmarks/device/verify.sh        carry [".whl"]
+#           the two TP files (two GPUs each): on two pairs at once where there are four GPUs,
+#           else one after the other
 # The groups are balanced by the times of 2026-11-27 (2x H200, docs/gpu-checks.md): kernels +
 # layer kernels 290 s, gemv + fp8 kernels 164, prefix 51, prefill paths 64; and of 2026-11-28,
 # with every CUDA engine's start-up warm-up: kernels + layer kernels 254, archs over 450 (22 of
 # its 28 in 300 s on a fresh machine; the warm-up adds compiles, +50% of the Triton keys of a
-# head-dim-256 case), engine 253, kv_fp8 263.
+# head-dim-256 case), engine 253, kv_fp8 263; and of session 33 (4x H200, a fresh machine):
+# kernels + layer kernels 289, archs 402 (its slowest case 165 s), gemv + fp8 kernels over 200
+# with a cold cache and 164 warm, engine 320, kv_fp8 314, bad input 30, fold + greedy 44, the TP
+# files 268 and 266, each on its own pair.
 LIMIT=${LIMIT:-570}
 source docs/benchmarks/device/setup.sh
 P="python3 -m pytest -q -o faulthandler_timeout=240"
-other=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
-if [ "${PHASE:-}" = kernels ]; then
+gpus=$(nvidia-smi -L | wc -l)
+other=$(( gpus > 1 ? 1 : 0 ))
+more_first() {
+  step model 280 $P -m gpu tests/test_model_gpu.py tests/test_async_scheduling.py \
+    tests/test_sampler.py tests/test_fp8_accuracy.py
+  step bad_input 240 $P -m gpu tests/test_bad_input.py
+}
+more_second() { step fold_greedy 300 $P tests/test_tp_fold.py tests/test_greedy_kernel.py; }
+if [ "${PHASE:-}" = kernels ] && [ "$gpus" -ge 4 ]; then
+  ( export CUDA_VISIBLE_DEVICES=0
+    step kernels 300 $P tests/test_kernels_gpu.py tests/test_layer_kernels.py
+    step prefix 70 $P -m gpu tests/test_prefix_cache.py
+    step paths 100 $P -m gpu tests/test_prefill_paths_gpu.py
+  ) > "$OUT/first.txt" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step archs 540 python3 -m pytest -q -o faulthandler_timeout=100 -m gpu tests/test_archs_gpu.py
+  ) > "$OUT/second.txt" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=2
+    step gemv 300 $P -m gpu tests/test_gemv.py tests/test_fp8_kernels.py
+    step bad_input 240 $P -m gpu tests/test_bad_input.py
+  ) > "$OUT/third.txt" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=3
+    step model 280 $P -m gpu tests/test_model_gpu.py tests/test_async_scheduling.py \
+      tests/test_sampler.py tests/test_fp8_accuracy.py
+    more_second
+  ) > "$OUT/fourth.txt" 2>&1 &
+elif [ "${PHASE:-}" = kernels ]; then
   ( export CUDA_VISIBLE_DEVICES=0
     step kernels 300 $P tests/test_kernels_gpu.py tests/test_layer_kernels.py
     step gemv 200 $P -m gpu tests/test_gemv.py tests/test_fp8_kernels.py
@@ -39,18 +71,19 @@ elif [ "${PHASE:-}" = engine ]; then
     step kv_fp8 560 $P tests/test_kv_fp8_gpu.py
   ) > "$OUT/second.txt" 2>&1 &
 elif [ "${PHASE:-}" = more ]; then
-  ( export CUDA_VISIBLE_DEVICES=0
-    step model 280 $P -m gpu tests/test_model_gpu.py tests/test_async_scheduling.py \
-      tests/test_sampler.py tests/test_fp8_accuracy.py
-    step bad_input 240 $P -m gpu tests/test_bad_input.py
-  ) > "$OUT/first.txt" 2>&1 &
-  ( export CUDA_VISIBLE_DEVICES=$other
-    step fold_greedy 300 $P tests/test_tp_fold.py tests/test_greedy_kernel.py
+  ( export CUDA_VISIBLE_DEVICES=0; more_first ) > "$OUT/first.txt" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=$other; more_second ) > "$OUT/second.txt" 2>&1 &
+elif [ "${PHASE:-}" = tp ] && [ "$gpus" -ge 4 ]; then
+  ( export CUDA_VISIBLE_DEVICES=0,1; step tp 300 $P tests/test_tp_gpu.py ) > "$OUT/first.txt" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=2,3; step tp_fold 300 $P tests/test_tp_fold_gpu.py
   ) > "$OUT/second.txt" 2>&1 &
+elif [ "${PHASE:-}" = tp ]; then
+  ( step tp 280 $P tests/test_tp_gpu.py; step tp_fold 280 $P tests/test_tp_fold_gpu.py
+  ) > "$OUT/first.txt" 2>&1 &
 else
-  echo "PHASE must be kernels, engine or more"; exit 2
+  echo "PHASE must be kernels, engine, more or tp"; exit 2
 fi
 wait
-cat "$OUT/first.txt" "$OUT/second.txt"
+cat "$OUT"/first.txt "$OUT"/second.txt "$OUT"/third.txt "$OUT"/fourth.txt 2> /dev/null
 grep -h -E "^(FAILED|ERROR)" "$OUT"/*.log | head -40
 pack
