@@ -81,8 +81,10 @@ _runner_init = model_runner.ModelRunner.__init__
 def _runner_init_and_capture(runner, *args, **kwargs) -> None:
     """``ModelRunner.__init__``, then each decode bucket's step as ``DecodeGraphs`` runs it
     before capturing it (its ``_forward`` on the static buffers), largest first; the runner
-    keeps the graphs' stand-in for ``_forward_or_replay``."""
+    keeps the graphs' stand-in for ``_forward_or_replay``, and the length hint that a runner
+    with graphs gives its mixed steps' decodes."""
     _runner_init(runner, *args, **kwargs)
+    runner.mixed_decode_len = runner.max_model_len
     PHASE[0] = "graph capture"
     buckets, max_blocks, specs = cuda_graph.graph_layout(runner)
     fixed = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}

@@ -162,6 +162,9 @@ class ModelRunner:
                 from flashserve.engine.cuda_graph import DecodeGraphs
 
                 self.graphs = DecodeGraphs(self)
+        # the decodes' length hint in steps that mix them with prefill chunks: the graphs'
+        # (their split plans are compiled; prepare_metadata), none without graphs
+        self.mixed_decode_len = self.max_model_len if self.graphs is not None else 0
         rank = f" per rank (its {kv_heads} KV heads)" if self.tp.size > 1 else ""
         layout = ", a head's rows together" if self.kv_head_major else ""
         logger.info(
@@ -444,7 +447,7 @@ class ModelRunner:
         """An eager step's tensors, added to ``upload`` (usable once it is sent)."""
         ids = upload.add(plan.input_ids, torch.int64)
         positions = upload.add(plan.positions, torch.int64)
-        meta = self.backend.prepare_metadata(plan, upload)
+        meta = self.backend.prepare_metadata(plan, upload, self.mixed_decode_len)
         rows = None if plan.samples_every_token else upload.add(plan.sample_rows, torch.int64)
         return StepInputs(ids, positions, meta, rows)
 

@@ -115,24 +115,33 @@ class AttentionBackend(ABC):
 
     # ---- metadata ------------------------------------------------------------------------
 
-    def prepare_metadata(self, plan: StepPlan, upload: Upload) -> AttentionMetadata:
+    def prepare_metadata(self, plan: StepPlan, upload: Upload,
+                         mixed_decode_len: int = 0) -> AttentionMetadata:  # fmt: skip
         """The metadata of a step run eagerly: its slots, KV lengths, block tables ([B, W],
-        zero padded; W a multiple of 16, ``kernels.common.table_columns``, so that no step's
-        width makes the kernels compile again) and the prefill part's query offsets go into
-        ``upload``."""
+        zero padded) and the prefill part's query offsets go into ``upload``. Nothing in it
+        makes a kernel compile again for a new step's shape: W is a multiple of 16
+        (``kernels.common.table_columns``), the decodes' and the prefill part's lengths are
+        two uploads (each 16-byte aligned), and in a step that mixes decodes with prefill
+        chunks the decodes' length hint is ``mixed_decode_len`` where it is given (the decode
+        graphs' ``max_model_len``: their kernels' split plans, compiled at the capture; the
+        decode kernel reads each row's real length)."""
         nd, b = plan.num_decodes, plan.batch_size
         cu = None
+        longest = max(plan.seq_lens[:nd], default=0)
         if b > nd:
             offsets = np.zeros(b - nd + 1, dtype=np.int32)  # [Bp + 1]
             np.cumsum(plan.q_lens[nd:], out=offsets[1:])
             cu = upload.add(offsets, torch.int32)
+            if nd and mixed_decode_len:
+                longest = max(longest, mixed_decode_len)
         return _metadata(
             slots=upload.add(plan.slot_mapping, torch.int64),
-            seq_lens=upload.add(plan.seq_lens, torch.int32),
+            decode_lens=upload.add(plan.seq_lens[:nd], torch.int32) if nd else None,
+            prefill_lens=upload.add(plan.seq_lens[nd:], torch.int32) if b > nd else None,
             tables=upload.add_rows(plan.block_tables, table_columns(plan.table_width)),
             cu=cu,
             num_decodes=nd,
-            max_decode_seq_len=max(plan.seq_lens[:nd], default=0),
+            max_decode_seq_len=longest,
             max_query_len=max(plan.q_lens[nd:], default=0),
             max_prefill_seq_len=max(plan.seq_lens[nd:], default=0),
         )
@@ -153,7 +162,8 @@ class AttentionBackend(ABC):
         ``max_seq_len`` (the longest possible) only sizes their split-KV grid."""
         return _metadata(
             slots=buffers["slot_mapping"][:batch],
-            seq_lens=buffers["seq_lens"][:batch],
+            decode_lens=buffers["seq_lens"][:batch],
+            prefill_lens=None,
             tables=buffers["block_tables"][:batch],
             cu=None,
             num_decodes=batch,
@@ -250,22 +260,23 @@ def load_backend(name: str, pdl_chain: bool = True, prefill_path: str = "portabl
     return BACKENDS[name]()
 
 
-def _metadata(*, slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
-              cu: torch.Tensor | None, num_decodes: int, max_decode_seq_len: int,
-              max_query_len: int, max_prefill_seq_len: int) -> AttentionMetadata:  # fmt: skip
-    """Split a step's per-sequence tensors ([B] lengths, [B, M] tables) at ``num_decodes``
-    into the decode part and the prefill part (views, no copies)."""
+def _metadata(*, slots: torch.Tensor, decode_lens: torch.Tensor | None,
+              prefill_lens: torch.Tensor | None, tables: torch.Tensor, cu: torch.Tensor | None,
+              num_decodes: int, max_decode_seq_len: int, max_query_len: int,
+              max_prefill_seq_len: int) -> AttentionMetadata:  # fmt: skip
+    """A step's metadata: its [B, M] tables split at ``num_decodes`` into the decode part and
+    the prefill part (views, no copies), and each part's [B] lengths."""
     nd = num_decodes
     prefill = cu is not None
     return AttentionMetadata(
         slot_mapping=slots,
         num_decode_tokens=nd,
-        decode_seq_lens=seq_lens[:nd] if nd else None,
+        decode_seq_lens=decode_lens,
         decode_block_tables=tables[:nd] if nd else None,
         max_decode_seq_len=max_decode_seq_len,
         num_prefill_tokens=slots.shape[0] - nd,
         prefill_cu_seqlens_q=cu,
-        prefill_seq_lens=seq_lens[nd:] if prefill else None,
+        prefill_seq_lens=prefill_lens,
         prefill_block_tables=tables[nd:] if prefill else None,
         max_prefill_query_len=max_query_len,
         max_prefill_seq_len=max_prefill_seq_len,
