@@ -4,6 +4,8 @@ eagerly (``prepare_metadata``) and for captured decode graphs (``graph_buffers``
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -38,8 +40,8 @@ def test_backends_are_typed_and_complete():
 
 def test_eager_metadata_splits_decodes_from_prefill_chunks():
     """Two decodes, then a prefill chunk over cached context and a whole prompt: one upload,
-    lengths and tables split at the decodes (views; 16 columns, zero padded), query offsets
-    of the chunks."""
+    tables split at the decodes (views; 16 columns, zero padded), each part's lengths 16-byte
+    aligned, query offsets of the chunks; the decodes' length hint of a mixed step."""
     seqs = [
         _seq(6, 5, 1, [7, 3]),  # decode at position 5
         _seq(9, 8, 1, [1, 4, 8]),  # decode at position 8
@@ -65,13 +67,19 @@ def test_eager_metadata_splits_decodes_from_prefill_chunks():
     assert meta.max_prefill_query_len == 5
     tables = meta.decode_block_tables
     assert meta.prefill_block_tables.data_ptr() == tables.data_ptr() + 2 * 16 * 4  # one [B, M]
+    assert meta.decode_seq_lens.data_ptr() % 16 == 0 == meta.prefill_seq_lens.data_ptr() % 16
+    # beside decode graphs, the decodes of a mixed step take the graphs' length hint
+    hinted = load_backend("torch").prepare_metadata(plan, staging.begin(), mixed_decode_len=4096)
+    assert hinted.max_decode_seq_len == 4096 and hinted.max_prefill_seq_len == 9
+    assert hinted.decode_seq_lens.tolist() == [6, 9]
+    decodes = StepPlan.build(seqs[:2], BS)  # a decode-only step keeps its own longest
+    alone = load_backend("torch").prepare_metadata(decodes, staging.begin(), mixed_decode_len=4096)
+    assert alone.max_decode_seq_len == 9 and alone.prefill_seq_lens is None
 
 
 def test_eager_tables_keep_one_stride_kind_for_every_width():
     """The eager tables' row stride, an integer argument of every attention kernel, is a
     multiple of 16 for any longest table: Triton sees one kind (no compile for a new width)."""
-    import random
-
     for longest in [1, 2, 15, 16, 17, 31, 32, 33, random.randint(34, 5000)]:
         seqs = [_seq(longest * BS, longest * BS - 1, 1, list(range(longest))),
                 _seq(3, 0, 3, [longest])]  # fmt: skip
@@ -84,6 +92,27 @@ def test_eager_tables_keep_one_stride_kind_for_every_width():
         assert width % 16 == 0 and longest <= width < longest + 16, (longest, width)
         assert tables[0, :longest].tolist() == list(range(longest))
         assert meta.prefill_block_tables[0].tolist() == [longest] + [0] * (width - 1)
+
+
+def test_graph_tables_have_the_eager_tables_stride_kind():
+    """The decode graphs' block tables are as wide as max_model_len's blocks in the eager
+    steps' columns: a multiple of 16, so a kernel compiled at the capture serves an eager
+    step's decodes (a mixed step's) and no kind is left to compile mid-serving (a GPU server
+    under a mixed load compiled the decode kernel three times after start-up with the graphs'
+    stride of another kind: docs/benchmarks/serving.md, session 34)."""
+    from types import SimpleNamespace
+
+    from flashserve.engine.cuda_graph import graph_layout
+
+    backend = load_backend("torch")
+    for max_len in [1, 100, 2048, 40_000, random.randint(2, 200_000)]:
+        for block in (16, 64, 128):
+            runner = SimpleNamespace(config=SimpleNamespace(max_num_seqs=8), backend=backend,
+                                     max_model_len=max_len, block_size=block)  # fmt: skip
+            _, width, specs = graph_layout(runner)
+            blocks = -(-max_len // block)
+            assert width % 16 == 0 and blocks <= width < blocks + 16, (max_len, block, width)
+            assert specs["block_tables"] == ((8, width), torch.int32)
 
 
 def test_graph_hooks_capture_static_buffers_and_replay_writes_them():
@@ -110,3 +139,41 @@ def test_graph_hooks_capture_static_buffers_and_replay_writes_them():
     assert ahead.input_ids == [1, 0] and ahead.positions == [6, 2] and ahead.seq_lens == [7, 3]
     assert ahead.slot_mapping == [3 * BS + 2, 4 * BS + 2] and ahead.ahead and ahead.is_decode
     assert torch.equal(captured.slot_mapping, static["slot_mapping"][:4])
+
+
+def test_triton_kernels_in_mixed_steps_give_the_torch_backends_tokens(monkeypatch):
+    """An engine on the Triton kernels (Triton's interpreter here, float32), its mixed steps'
+    decodes planned by the decode graphs' length hint as a GPU runner with graphs plans them
+    (``ModelRunner.mixed_decode_len``), and prompts chunked beside decodes (a 64-token budget,
+    16-token blocks): the same greedy tokens as the torch backend."""
+    from flashserve.config import EngineConfig
+    from flashserve.engine.llm_engine import LLM
+    from flashserve.sampling.params import SamplingParams
+
+    lens = [random.randint(20, 60), random.randint(150, 260), random.randint(2, 9)]
+    prompts = [torch.randint(5, 200, (n,)).tolist() for n in lens]
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    tokens, hints = {}, []
+    for backend in ("torch", "triton"):
+        llm = LLM(EngineConfig(model="dummy:tiny", device="cpu", dtype="float32",
+                               attention_backend=backend, enforce_eager=True, block_size=16,
+                               max_num_batched_tokens=64, max_kv_tokens=4096, max_num_seqs=4,
+                               warm_up=False))  # fmt: skip
+        runner = llm.engine.runner
+        assert runner.mixed_decode_len == 0  # no graphs: no hint
+        runner.mixed_decode_len = runner.max_model_len
+        prepare = runner.backend.prepare_metadata
+
+        def watched(plan, upload, mixed_decode_len=0, prepare=prepare, backend=backend):
+            meta = prepare(plan, upload, mixed_decode_len)
+            if meta.num_decode_tokens and meta.num_prefill_tokens:
+                hints.append((backend, meta.max_decode_seq_len))
+            return meta
+
+        monkeypatch.setattr(runner.backend, "prepare_metadata", watched)
+        tokens[backend] = [out.token_ids for out in llm.generate(prompts, params)]
+    # mixed steps ran on both, each planned by the hint
+    hint = llm.engine.runner.max_model_len
+    assert hint > max(lens) + 6 and {h for _, h in hints} == {hint}
+    assert {b for b, _ in hints} == {"torch", "triton"}
+    assert tokens["triton"] == tokens["torch"]
