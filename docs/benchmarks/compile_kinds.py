@@ -3,6 +3,11 @@ a compile in the middle of serving (seconds, every stream stalled) on a GPU.
 
     python3 docs/benchmarks/compile_kinds.py [FIELD=VALUE ...]   # e.g. kv_cache_dtype=fp8
 
+``max_model_len`` picks the decode graphs' table width: at ``max_model_len=1910`` (15 columns
+of 128-token blocks) they had, before c28a132, a row stride of another kind than the eager
+steps' 16-column tables, as the 313 columns of ``stall.sh``'s server had; the default 2,048
+gives 16 and hid that (``docs/benchmarks/serving.md``, session 34).
+
 Runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing;
 each launch's arguments are keyed the way Triton 3.x keys its compiles (a tensor's dtype and
 16-byte alignment, an integer's kind: 1, a multiple of 16 or other, unless the kernel lists it
@@ -119,7 +124,8 @@ def main() -> None:
     model_runner.ModelRunner._forward = _forward_or_replay
     PHASE[0] = "warm-up"
     start = time.perf_counter()
-    fields = dict(arg.split("=", 1) for arg in sys.argv[1:])  # EngineConfig's, as strings
+    fields = dict(arg.split("=", 1) for arg in sys.argv[1:])  # EngineConfig's
+    fields = {k: int(v) if v.isdigit() else v for k, v in fields.items()}
     config = EngineConfig(model="dummy:tiny", device="cpu", dtype="float16",
                           attention_backend="triton", enforce_eager=True, block_size=128,
                           max_kv_tokens=65536, max_num_seqs=32, warm_up=True, **fields)  # fmt: skip
@@ -132,6 +138,7 @@ def main() -> None:
         return [torch.randint(5, 200, (n,), generator=gen).tolist() for n in lens]
 
     sixteen = torch.randint(20, 100, (16,), generator=gen).tolist()
+    long = prompts([1900])[0]
     workloads = {
         "a prompt of 12 tokens (a TGI /generate of 'Hello there', BOS and 11 bytes)": prompts([12]),
         "prompts of 3, 5, 9 tokens, one after another": None,
@@ -140,16 +147,23 @@ def main() -> None:
         "16 prompts of 20-100 tokens at once": prompts(sixteen),
         "12 prompts of 20-100 tokens at once": prompts(sixteen[:12]),
         "5 prompts of about 300 tokens": prompts([300, 310, 290, 305, 295]),
-        "a prompt of 1,900 tokens": prompts([1900]),
+        "a prompt of 1,900 tokens": [long],
         "200 and 1,900 tokens together (the long one's last chunk beside a decode)": prompts(
             [200, 1900]
         ),
+        "the 1,900-token prompt again (its blocks from the prefix cache)": [long],
+        "its first 1,024 tokens and 300 new ones": [long[:1024] + prompts([300])[0]],
+        "4 prompts sampled (temperature, top-p, top-k, a repetition penalty)": prompts(
+            [30, 60, 90, 120]
+        ),
     }
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, top_k=50,
+                             repetition_penalty=1.1, ignore_eos=True)  # fmt: skip
     for name, batch in workloads.items():
         PHASE[0] = name
         for one in [[p] for p in prompts([3, 5, 9])] if batch is None else [batch]:
-            llm.generate(one, params)
+            llm.generate(one, sampled if name.endswith("penalty)") else params)
     print("keys by the phase that met them first:", dict(collections.Counter(KEYS.values())))
 
 

@@ -23,7 +23,9 @@
 # head-dim-256 case), engine 253, kv_fp8 263; and of session 33 (4x H200, a fresh machine):
 # kernels + layer kernels 289, archs 402 (its slowest case 165 s), gemv + fp8 kernels over 200
 # with a cold cache and 164 warm, engine 320, kv_fp8 314, bad input 30, fold + greedy 44, the TP
-# files 268 and 266, each on its own pair.
+# files 268 and 266, each on its own pair; and of session 34 (2x H200, a fresh machine): archs
+# 168, paths 43, bad input 42, model 92, prefix 22, engine 266, kv_fp8 290, the TP files 232
+# and 227 one after the other, fold + greedy 40.
 LIMIT=${LIMIT:-570}
 source docs/benchmarks/device/setup.sh
 P="python3 -m pytest -q -o faulthandler_timeout=240"
