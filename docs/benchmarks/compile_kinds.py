@@ -3,10 +3,11 @@ a compile in the middle of serving (seconds, every stream stalled) on a GPU.
 
     python3 docs/benchmarks/compile_kinds.py [FIELD=VALUE ...]   # e.g. kv_cache_dtype=fp8
 
-``max_model_len`` picks the decode graphs' table width: at ``max_model_len=1910`` (15 columns
-of 128-token blocks) they had, before c28a132, a row stride of another kind than the eager
-steps' 16-column tables, as the 313 columns of ``stall.sh``'s server had; the default 2,048
-gives 16 and hid that (``docs/benchmarks/serving.md``, session 34).
+``max_model_len`` picks the decode graphs' table width. At ``max_model_len=1910`` (15 columns
+of 128-token blocks) their row stride is of another kind than the eager steps' 16-column
+tables, as with the 313 columns of ``stall.sh``'s server, and a mixed step's decodes key anew
+(branch exp/graph-table-columns, c28a132, pads the graphs' tables to 16 columns too); the
+default 2,048 gives 16 and hides that (``docs/benchmarks/serving.md``, session 34).
 
 Runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing;
 each launch's arguments are keyed the way Triton 3.x keys its compiles (a tensor's dtype and
