@@ -31,11 +31,12 @@ source docs/benchmarks/device/setup.sh
 P="python3 -m pytest -q -o faulthandler_timeout=240"
 gpus=$(nvidia-smi -L | wc -l)
 other=$(( gpus > 1 ? 1 : 0 ))
-more_first() {
+model_files() {
   step model 280 $P -m gpu tests/test_model_gpu.py tests/test_async_scheduling.py \
     tests/test_sampler.py tests/test_fp8_accuracy.py
-  step bad_input 240 $P -m gpu tests/test_bad_input.py
 }
+bad_input() { step bad_input 240 $P -m gpu tests/test_bad_input.py; }
+more_first() { model_files; bad_input; }
 more_second() { step fold_greedy 300 $P tests/test_tp_fold.py tests/test_greedy_kernel.py; }
 if [ "${PHASE:-}" = kernels ] && [ "$gpus" -ge 4 ]; then
   ( export CUDA_VISIBLE_DEVICES=0
@@ -48,11 +49,10 @@ if [ "${PHASE:-}" = kernels ] && [ "$gpus" -ge 4 ]; then
   ) > "$OUT/second.txt" 2>&1 &
   ( export CUDA_VISIBLE_DEVICES=2
     step gemv 300 $P -m gpu tests/test_gemv.py tests/test_fp8_kernels.py
-    step bad_input 240 $P -m gpu tests/test_bad_input.py
+    bad_input
   ) > "$OUT/third.txt" 2>&1 &
   ( export CUDA_VISIBLE_DEVICES=3
-    step model 280 $P -m gpu tests/test_model_gpu.py tests/test_async_scheduling.py \
-      tests/test_sampler.py tests/test_fp8_accuracy.py
+    model_files
     more_second
   ) > "$OUT/fourth.txt" 2>&1 &
 elif [ "${PHASE:-}" = kernels ]; then
