@@ -94,6 +94,27 @@ def test_eager_tables_keep_one_stride_kind_for_every_width():
         assert meta.prefill_block_tables[0].tolist() == [longest] + [0] * (width - 1)
 
 
+def test_graph_tables_have_the_eager_tables_stride_kind():
+    """The decode graphs' block tables are as wide as max_model_len's blocks in the eager
+    steps' columns: a multiple of 16, so a kernel compiled at the capture serves an eager
+    step's decodes (a mixed step's) and no kind is left to compile mid-serving (a GPU server
+    under a mixed load compiled the decode kernel three times after start-up with the graphs'
+    stride of another kind: docs/benchmarks/serving.md, session 34)."""
+    from types import SimpleNamespace
+
+    from flashserve.engine.cuda_graph import graph_layout
+
+    backend = load_backend("torch")
+    for max_len in [1, 100, 2048, 40_000, random.randint(2, 200_000)]:
+        for block in (16, 64, 128):
+            runner = SimpleNamespace(config=SimpleNamespace(max_num_seqs=8), backend=backend,
+                                     max_model_len=max_len, block_size=block)  # fmt: skip
+            _, width, specs = graph_layout(runner)
+            blocks = -(-max_len // block)
+            assert width % 16 == 0 and blocks <= width < blocks + 16, (max_len, block, width)
+            assert specs["block_tables"] == ((8, width), torch.int32)
+
+
 def test_graph_hooks_capture_static_buffers_and_replay_writes_them():
     backend = load_backend("torch")
     spill = Staging("cpu")

@@ -28,6 +28,7 @@ import torch
 
 from flashserve.engine.staging import Staging
 from flashserve.engine.step_plan import StepPlan
+from kernels.common import table_columns
 from kernels.sampling import greedy_sample
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,13 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 def graph_layout(runner) -> tuple[list[int], int, dict]:
     """A runner's decode graphs: their batch buckets, the block-table width they capture (the
-    blocks of max_model_len), and the static buffers' specs (name -> (shape, dtype)) for the
-    largest bucket, which every graph reads views of."""
+    blocks of max_model_len, in the eager steps' columns, ``table_columns``: the kernels see
+    one row-stride kind in graphs and eager steps alike, so that a kernel compiled for one
+    serves the other), and the static buffers' specs (name -> (shape, dtype)) for the largest
+    bucket, which every graph reads views of."""
     buckets = batch_buckets(runner.config.max_num_seqs)
-    n, max_blocks = buckets[-1], -(-runner.max_model_len // runner.block_size)
+    n = buckets[-1]
+    max_blocks = table_columns(-(-runner.max_model_len // runner.block_size))
     fixed = {
         "input_ids": ((n,), torch.int64),
         "positions": ((n,), torch.int64),
