@@ -3,11 +3,12 @@ a compile in the middle of serving (seconds, every stream stalled) on a GPU.
 
     python3 docs/benchmarks/compile_kinds.py [FIELD=VALUE ...]   # e.g. kv_cache_dtype=fp8
 
-``max_model_len`` picks the decode graphs' table width. At ``max_model_len=1910`` (15 columns
-of 128-token blocks) their row stride is of another kind than the eager steps' 16-column
-tables, as with the 313 columns of ``stall.sh``'s server, and a mixed step's decodes key anew
-(branch exp/graph-table-columns, c28a132, pads the graphs' tables to 16 columns too); the
-default 2,048 gives 16 and hides that (``docs/benchmarks/serving.md``, session 34).
+``max_model_len`` picks the decode graphs' table width. Before ba1961d, at
+``max_model_len=1910`` (15 columns of 128-token blocks), their row stride was of another kind
+than the eager steps' 16-column tables, as with the 313 columns of ``stall.sh``'s server, and a
+mixed step's decodes keyed anew; the graphs' tables now take ``table_columns`` too (16 columns
+there), and the default 2,048 gives 16 either way (``docs/benchmarks/serving.md``, sessions
+34-35). Run it at ``max_model_len=1910`` to check that it stays so.
 
 Runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing;
 each launch's arguments are keyed the way Triton 3.x keys its compiles (a tensor's dtype and
