@@ -642,6 +642,27 @@ def test_bench_serve_shared_prefix(url, tmp_path, monkeypatch, capsys):
     assert "workload shared-prefix: documents 3" in out and "reused (5 requests)" in out
 
 
+def test_bench_serve_shared_prefix_without_questions_repeats_each_document(
+    url, tmp_path, monkeypatch
+):
+    """``--question-len 0``: each request is its document alone, the same text again."""
+    sent = _capture_sends(monkeypatch)
+    docs, doc_len, questions = 2, 120, 5
+    res = _serve(url, tmp_path, "--workload", "shared-prefix", "--documents", str(docs),
+                 "--document-len", str(doc_len), "--questions", str(questions),
+                 "--question-len", "0", "--output-len", "2", "--concurrency", "1")  # fmt: skip
+    s = res["summary"]
+    assert (s["requests"], s["completed"], s["failed"]) == (questions, questions, 0)
+    assert res["workload"]["prompt_len"] == doc_len
+    prompts = [prompt for prompt, _ in sent]
+    assert len(set(prompts)) == docs
+    assert all(prompts[j] == prompts[j % docs] for j in range(questions))
+    tok = load_tokenizer("dummy:tiny")
+    assert all(len(tok.encode(p)) == doc_len for p in prompts)
+    for r in res["requests"]:
+        assert r["prompt_tokens"] == r["input_len"] == doc_len
+
+
 @pytest.mark.parametrize("api", ["tgi", "openai"])
 def test_bench_serve_multi_turn(url, tmp_path, monkeypatch, api):
     if api == "openai" and httpx.get(f"{url}/v1/models").status_code != 200:
@@ -687,6 +708,7 @@ def test_bench_serve_multi_turn(url, tmp_path, monkeypatch, api):
         (["--workload", "shared-prefix", "--num-requests", "5"], "--num-requests does not"),
         (["--workload", "shared-prefix", "--duration", "5"], "--duration does not apply"),
         (["--workload", "shared-prefix", "--documents", "0"], "--documents must be >= 1"),
+        (["--workload", "shared-prefix", "--question-len", "-1"], "--question-len must be >= 0"),
     ],
 )
 def test_bench_serve_workload_flags_are_checked(flags, message, capsys):

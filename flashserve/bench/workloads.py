@@ -4,7 +4,9 @@ off (``--prefix-caching`` / ``--no-prefix-caching``) with one flag.
 - ``shared-prefix``: ``--documents K`` documents of ``--document-len N`` tokens and
   ``--questions Q`` questions of ``--question-len M`` tokens; question ``j`` is asked about
   document ``j mod K`` (prompt = document + question), so consecutive requests name different
-  documents and a document's questions are spread over the run (a RAG service).
+  documents and a document's questions are spread over the run (a RAG service). With
+  ``--question-len 0`` a question is its document alone: the same prompt sent again (a chat's
+  "regenerate", a client's retry), whose prompt tokenization the server may skip too.
 - ``multi-turn``: ``--conversations C`` chats of ``--turns T`` turns; the first prompt has
   ``--input-len`` tokens, every later one resends the previous prompt, the answer received
   and a new user message of ``--turn-len U`` tokens. A chat's turns go one after another; up
@@ -85,8 +87,9 @@ def check(args: argparse.Namespace) -> None:
     for name, default in mine.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-        if getattr(args, name) < 1:
-            raise cli.CLIError(f"--{name.replace('_', '-')} must be >= 1", status=2)
+        least = 0 if name == "question_len" else 1  # 0: the document sent again as it is
+        if getattr(args, name) < least:
+            raise cli.CLIError(f"--{name.replace('_', '-')} must be >= {least}", status=2)
     if args.workload == "shared-prefix":
         args.num_requests = args.questions
     else:
@@ -121,7 +124,10 @@ def shared_prefix_specs(
     specs = []
     for j, out in enumerate(outs):
         d = j % args.documents
-        question, tokens = extend_prompt(docs[d], args.question_len, rng, tokenizer)
+        if args.question_len:
+            question, tokens = extend_prompt(docs[d], args.question_len, rng, tokenizer)
+        else:  # the document again, as it is
+            question, tokens = "", args.document_len
         tags = {"document": d, "question": j, "cold": j < args.documents}
         specs.append((docs[d] + question, RequestRecord(tokens, out, tags=tags)))
     return specs

@@ -5,17 +5,21 @@ the HTTP front end, which sends the core only ids that passed."""
 from __future__ import annotations
 
 from flashserve.sampling.params import SamplingParams
+from flashserve.tokenizer.encode_cache import EncodeCache
 from flashserve.tokenizer.tokenizer import Tokenizer
 
 
 class PromptChecker:
     """Checks prompts against a model: its tokenizer, its ``vocab_size`` embedding rows and the
-    context length ``max_model_len``. Every method raises ValueError naming the problem."""
+    context length ``max_model_len``. Every method raises ValueError naming the problem. Text
+    prompts are tokenized through an ``EncodeCache``, so a long prompt sent again is not
+    tokenized again."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.encode = EncodeCache(lambda text: self.tokenizer.encode(text))
 
     def checked_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, once they and ``params.max_new_tokens`` fit the context."""
@@ -47,7 +51,7 @@ class PromptChecker:
             if not prompt:
                 raise ValueError("the prompt must not be empty")
             self.check_text_fits(prompt)
-            ids = self.tokenizer.encode(prompt)
+            ids = self.encode(prompt)
             # a tokenizer whose added tokens pass the model's embedding rows would make the
             # device index out of bounds (on CUDA, an assert that ends the process)
             if ids and max(ids) >= self.vocab_size:
