@@ -1,28 +1,37 @@
-"""The prompt tokenization cache (``flashserve.tokenizer.encode_cache``): a long text sent again
-gets the ids a fresh tokenization gives, without tokenizing it; short texts, texts over the
-budget and texts that only share a prefix are tokenized each time; the least recently used
-go first."""
+"""The prompt tokenization cache (``flashserve.tokenizer.encode_cache``) and the cut points it
+reuses ids at (``flashserve.tokenizer.cuts``): every id list it returns is compared with a
+fresh tokenization of the same text, on real tokenizers (the default model's BPE, a
+SentencePiece GGUF, the byte-level stand-in) and growing conversations of random text; a long
+text sent again is not tokenized again, an extended one only from its last cut on; short
+texts, texts over the budget and tokenizers without cuts are tokenized whole; the least
+recently used go first."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 
 import pytest
+from tokenizer_helpers import HARD_TEXTS, build_spm_gguf, default_gguf_path, first_diff, random_text
 
 from flashserve.engine.prompts import PromptChecker
 from flashserve.sampling.params import SamplingParams
+from flashserve.tokenizer.cuts import TextCuts
 from flashserve.tokenizer.encode_cache import EncodeCache
+from flashserve.tokenizer.tokenizer import Tokenizer
 
 
 class CountingEncoder:
-    """A tokenizer stand-in that counts its calls: one id per word, from a fixed vocabulary."""
+    """A tokenizer stand-in without cuts that counts its calls: one id per word."""
+
+    cuts = None
 
     def __init__(self) -> None:
         self.calls = 0
         self.vocab: dict[str, int] = {}
 
-    def __call__(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         self.calls += 1
         return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
 
@@ -32,6 +41,18 @@ def words(n: int, rng: random.Random) -> str:
                     for _ in range(n))  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def tokenizers_with_cuts(tmp_path_factory):
+    """(name, tokenizer, its special tokens' texts) for each kind we build."""
+    spm = Tokenizer.from_gguf(build_spm_gguf(tmp_path_factory.mktemp("spm"))[1])
+    return [
+        ("gguf-bpe", Tokenizer.from_gguf(default_gguf_path()), ["<|im_start|>", "<|im_end|>",
+                                                               "<|endoftext|>", "<file_sep>"]),
+        ("gguf-spm", spm, ["<s>", "</s>"]),
+        ("byte-level", Tokenizer.byte_level(300, 256, 257), ["<|bos|>", "<|eos|>"]),
+    ]  # fmt: skip
+
+
 def test_a_long_text_sent_again_is_not_tokenized_again():
     rng = random.Random()
     enc = CountingEncoder()
@@ -39,13 +60,13 @@ def test_a_long_text_sent_again_is_not_tokenized_again():
     text = words(2000, rng)
     first = cache(text)
     again = cache(text[:-1] + text[-1])  # an equal string, not the same object
-    assert again == first == enc(text)
+    assert again == first == enc.encode(text)
     assert enc.calls == 2  # the two calls above made one, the reference the other
     again.append(-1)  # each call returns a list of its own
     assert cache(text) == first
 
 
-def test_short_texts_and_shared_prefixes_are_tokenized_each_time():
+def test_short_texts_and_texts_without_cuts_are_tokenized_whole():
     rng = random.Random()
     enc = CountingEncoder()
     cache = EncodeCache(enc, min_chars=1000)
@@ -56,8 +77,103 @@ def test_short_texts_and_shared_prefixes_are_tokenized_each_time():
     assert enc.calls == 2 and len(cache) == 0
     doc = words(1000, rng)
     cache(doc)
-    asked = cache(doc + " alpha")
-    assert asked == enc(doc + " alpha") and enc.calls == 5 and len(cache) == 2
+    asked = cache(doc + " alpha")  # no cuts: the longer text is tokenized whole
+    assert asked == enc.encode(doc + " alpha") and enc.calls == 5 and len(cache) == 2
+
+
+def _conversation(rng: random.Random, specials: list[str], turns: int, size: int) -> list[str]:
+    """A growing text: each element extends the one before by a random turn (special tokens
+    around random text, the hard texts, pieces of special-token text), as chats resend."""
+    texts, text = [], ""
+    for _ in range(turns):
+        parts = []
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.random()
+            if kind < 0.3:
+                parts.append(rng.choice(specials))
+            elif kind < 0.4:
+                parts.append(rng.choice(HARD_TEXTS))
+            elif kind < 0.5:  # a special token's text cut short, or with spaces around
+                s = rng.choice(specials)
+                parts.append(rng.choice([s[: rng.randint(1, len(s) - 1)], f" {s} ", s + "\n"]))
+            else:
+                parts.append(random_text(rng, size))
+        text += "".join(parts)
+        texts.append(text)
+    return texts
+
+
+def test_extended_texts_get_the_ids_of_a_fresh_tokenization(tokenizers_with_cuts):
+    rng = random.Random()
+    for name, tok, specials in tokenizers_with_cuts:
+        assert tok.cuts is not None, name
+        tails = []  # the texts the cache tokenized from a cut on
+        real = tok.cuts.encode
+
+        def spy(text, add_special_tokens=True, real=real, tails=tails):
+            if not add_special_tokens:
+                tails.append(text)
+            return real(text, add_special_tokens)
+
+        tok.cuts.encode = spy
+        try:
+            for _ in range(30):
+                cache = EncodeCache(tok, min_chars=rng.choice([1, 8, 64]))
+                texts = _conversation(rng, specials, rng.randint(2, 8), rng.choice([8, 60]))
+                for text in texts + rng.sample(texts, len(texts) // 2):  # some sent again
+                    want = tok.encode(text)
+                    got = cache(text)
+                    assert got == want, f"{name}: {text!r}: {first_diff(got, want)}"
+        finally:
+            del tok.cuts.encode
+        assert len(tails) > 30, name  # ids reused, only the rest tokenized
+
+
+def test_a_chat_turn_is_tokenized_from_the_last_turn_marker_on():
+    tok = Tokenizer.from_gguf(default_gguf_path())
+    rng = random.Random()
+    messages = [{"role": "user", "content": words(3000, rng)}]
+    encoded = []
+    real = tok.cuts.encode
+    tok.cuts.encode = lambda text, add_special_tokens=True: (
+        encoded.append(text) or real(text, add_special_tokens))  # fmt: skip
+    try:
+        cache = EncodeCache(tok)
+        for turn in range(3):
+            text = tok.apply_chat_template(messages)
+            assert cache(text) == tok.encode(text)
+            if turn:  # from the last turn's marker: the new turns only
+                assert encoded[-1].startswith("<|im_start|>assistant\n")
+                assert len(encoded[-1]) < len(text) / 4
+            messages += [{"role": "assistant", "content": words(50, rng)},
+                         {"role": "user", "content": words(50, rng)}]  # fmt: skip
+    finally:
+        del tok.cuts.encode
+    assert len(encoded) == 3
+
+
+def test_pipelines_that_treat_a_texts_start_apart_offer_no_cuts():
+    from tokenizers import AddedToken, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    def backend(pre=None, post=None, norm=None):
+        b = Backend(models.WordLevel({"a": 0, "▁a": 1, "b": 2, "<s>": 3, "[UNK]": 4}, "[UNK]"))
+        b.pre_tokenizer, b.post_processor, b.normalizer = pre, post, norm
+        b.add_special_tokens([AddedToken("<s>", special=True)])
+        return b
+
+    assert TextCuts.of(backend(pre_tokenizers.WhitespaceSplit())) is not None
+    first = pre_tokenizers.Metaspace(prepend_scheme="first")
+    assert TextCuts.of(backend(first)) is None
+    assert TextCuts.of(backend(pre_tokenizers.Sequence([pre_tokenizers.Digits(), first]))) is None
+    assert TextCuts.of(backend(pre_tokenizers.Metaspace(prepend_scheme="always"))) is not None
+    eos = processors.TemplateProcessing(single="$A <s>", special_tokens=[("<s>", 3)])
+    assert TextCuts.of(backend(pre_tokenizers.WhitespaceSplit(), eos)) is None
+    bos = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    assert TextCuts.of(backend(pre_tokenizers.WhitespaceSplit(), bos)) is not None
+    odd = normalizers.BertNormalizer()  # not on the list of per-piece normalizers
+    assert TextCuts.of(backend(pre_tokenizers.WhitespaceSplit(), norm=odd)) is None
+    assert json.loads(backend(first).to_str())["pre_tokenizer"]["prepend_scheme"] == "first"
 
 
 def test_the_least_recently_used_go_first_within_the_budget():
@@ -94,23 +210,23 @@ def test_bad_limits_are_refused():
 
 
 def test_threads_get_the_ids_of_their_own_texts():
+    tok = Tokenizer.from_gguf(default_gguf_path())
     rng = random.Random()
-    enc = CountingEncoder()
-    texts = [words(500, rng) for _ in range(4)]
-    want = [enc(t) for t in texts]
-    one = EncodeCache(enc, min_chars=10)
-    one(texts[0])
-    cache = EncodeCache(enc, min_chars=10, max_bytes=2 * one.nbytes)  # two or so: evictions too
+    texts = _conversation(rng, ["<|im_start|>", "<|im_end|>"], 6, 80)
+    want = [tok.encode(t) for t in texts]
+    one = EncodeCache(tok, min_chars=10)
+    one(texts[-1])
+    cache = EncodeCache(tok, min_chars=10, max_bytes=2 * one.nbytes)  # evictions too
     wrong = []
 
     def work(seed: int) -> None:
         r = random.Random(seed)
-        for _ in range(200):
+        for _ in range(100):
             i = r.randrange(len(texts))
             if cache(texts[i]) != want[i]:
                 wrong.append(i)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    threads = [threading.Thread(target=work, args=(rng.random(),)) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -120,30 +236,20 @@ def test_threads_get_the_ids_of_their_own_texts():
 
 def test_the_prompt_checker_tokenizes_a_repeated_prompt_once():
     """Through ``PromptChecker`` (what the HTTP front end and ``LLMEngine`` call), with the
-    default model's BPE tokenizer: the ids of a repeated long prompt are the tokenizer's, its
-    checks still run on every call."""
-    from flashserve.loaders.load import default_model_path
-    from flashserve.tokenizer.tokenizer import Tokenizer
-
-    tiny_tokenizer = Tokenizer.from_gguf(default_model_path())
+    default model's tokenizer: a repeated long prompt's ids are the tokenizer's, tokenized
+    once, and its checks still run on every call."""
+    tok = Tokenizer.from_gguf(default_gguf_path())
     calls = []
-    encode = tiny_tokenizer.encode
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(tiny_tokenizer, name)
-
-        def encode(self, text, add_special_tokens=True):
-            calls.append(len(text))
-            return encode(text, add_special_tokens=add_special_tokens)
-
-    checker = PromptChecker(Spy(), vocab_size=tiny_tokenizer.vocab_size, max_model_len=10**6)
+    real = tok.cuts.encode
+    tok.cuts.encode = lambda text, add_special_tokens=True: (
+        calls.append(len(text)) or real(text, add_special_tokens))  # fmt: skip
+    checker = PromptChecker(tok, vocab_size=tok.vocab_size, max_model_len=10**6)
     text = words(3000, random.Random())
     params = SamplingParams(max_new_tokens=4)
     first = checker.checked_ids(text, params)
-    assert checker.checked_ids(text, params) == first == encode(text)
+    assert checker.checked_ids(text, params) == first == tok.encode(text)
     assert len(calls) == 1
-    short = PromptChecker(Spy(), vocab_size=tiny_tokenizer.vocab_size, max_model_len=len(first))
+    short = PromptChecker(tok, vocab_size=tok.vocab_size, max_model_len=len(first))
     with pytest.raises(ValueError, match="over the context length"):
         short.checked_ids(text, params)
     with pytest.raises(ValueError, match="over the context length"):

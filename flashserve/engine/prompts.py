@@ -19,7 +19,7 @@ class PromptChecker:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.encode = EncodeCache(lambda text: self.tokenizer.encode(text))
+        self.encode = EncodeCache(tokenizer)
 
     def checked_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, once they and ``params.max_new_tokens`` fit the context."""

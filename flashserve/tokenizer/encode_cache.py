@@ -1,81 +1,156 @@
-"""The token ids of long prompts seen lately, so that a prompt sent again is not tokenized again.
+"""The token ids of long prompts seen lately, so that a prompt sent again, or extended, is not
+tokenized again whole.
 
-A long prompt sent a second time (a chat's "regenerate", a client's retry, a benchmark's
-repeated prompt) finds its KV in the prefix cache, and then its tokenization is most of its
-time to first token: SmolLM2's BPE tokenizer takes 230 ms for 120,000 tokens of English (676K
-characters, one core of the CI machine), where an H200 prefills such a prompt from the prefix
-cache in about 70 ms (``docs/benchmarks/serving.md``, session 35).
+A long prompt that comes back (a chat's "regenerate", a client's retry, a chat's next turn,
+which resends the conversation so far) finds its KV in the prefix cache, and then its
+tokenization is most of its time to first token: SmolLM2's BPE tokenizer takes 230 ms for
+120,000 tokens of English (676K characters, one core of the CI machine), where an H200
+prefills such a prompt from the prefix cache in 61-76 ms (``docs/benchmarks/serving.md``,
+session 35).
 
 ``EncodeCache`` keeps the ids of the texts of at least ``min_chars`` characters, keyed by the
-text itself (a hit compares the whole string, no digest is trusted), the least recently used
-dropped once the texts and their ids pass ``max_bytes``. Only an exact repeat hits: a prompt
-that shares a prefix with a cached one is tokenized whole (a tokenizer may merge across any
-cut, so the cached part's ids are not reused).
+text itself (a hit compares the whole string: no digest is trusted), the least recently used
+dropped once the texts and their ids pass ``max_bytes``. A text seen before gets its ids back.
+A text that starts with a kept one's first ``min_chars`` characters and agrees with it past
+one of its cut points (a special token, ``Tokenizer.cuts``: a chat template's turn markers)
+takes the kept ids up to the last such point and tokenizes only the rest; where the tokenizer
+offers no cuts (``cuts`` None) or the texts part before a cut, it is tokenized whole.
 """
 
 from __future__ import annotations
 
+import bisect
 import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from typing import Protocol
+
+from flashserve.tokenizer.cuts import Cuts, TextCuts
+
+
+class Encoder(Protocol):
+    cuts: TextCuts | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class _Kept:
+    """A kept text's ids, its cut points (token index, character offset) and its bytes."""
+
+    __slots__ = ("ids", "index", "chars", "nbytes")
+
+    def __init__(self, text: str, cuts: Cuts) -> None:
+        self.ids = array("i", cuts.ids)  # 4 bytes an id (a list of ints takes ~36)
+        self.index = array("i", cuts.index)
+        self.chars = array("i", cuts.chars)
+        self.nbytes = sys.getsizeof(text) + 4 * (len(self.ids) + 2 * len(self.index))
 
 
 class EncodeCache:
-    """``encode`` (text -> ids) with the ids of recent long texts kept; thread-safe (the HTTP
-    front end checks prompts on worker threads). Each call returns a new list."""
+    """``tokenizer.encode`` with the ids of recent long texts kept and reused (module doc);
+    thread-safe (the HTTP front end checks prompts on worker threads). Each call returns a
+    list of its own."""
 
-    def __init__(
-        self, encode: Callable[[str], list[int]], min_chars: int = 4096, max_bytes: int = 64 << 20
-    ) -> None:
+    def __init__(self, tokenizer: Encoder, min_chars: int = 4096, max_bytes: int = 64 << 20):
         if min_chars < 1 or max_bytes < 0:
             raise ValueError(f"min_chars must be >= 1 and max_bytes >= 0, got {min_chars}, "
                              f"{max_bytes}")  # fmt: skip
-        self._encode = encode
+        self._tokenizer = tokenizer
         self.min_chars = min_chars
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, array] = OrderedDict()
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        self._by_start: dict[str, list[str]] = {}  # first min_chars characters -> kept texts
         self._bytes = 0
         self._lock = threading.Lock()
 
     def __call__(self, text: str) -> list[int]:
         if len(text) < self.min_chars:
-            return self._encode(text)
+            return self._tokenizer.encode(text)
+        cuts = self._tokenizer.cuts
         with self._lock:
-            ids = self._entries.get(text)
-            if ids is not None:
-                self._entries.move_to_end(text)
-                return ids.tolist()
-        fresh = self._encode(text)  # outside the lock: other prompts' lookups go on
-        self._keep(text, fresh)
-        return fresh
+            kept = self._kept.get(text)
+            if kept is not None:
+                self._kept.move_to_end(text)
+                return kept.ids.tolist()
+            head, k, b = self._longest_cut(text, cuts.max_chars) if cuts else (None, 0, 0)
+        # tokenizing outside the lock: other prompts' lookups go on meanwhile
+        if cuts is None:
+            whole = Cuts(self._tokenizer.encode(text), [], [])
+        elif head is None:
+            whole = cuts.encode(text)
+        else:
+            whole = _extend(cuts, text, head, k, b)
+        self._keep(text, whole)
+        return whole.ids
 
     @property
     def nbytes(self) -> int:
-        """The bytes the kept texts and ids take."""
+        """The bytes the kept texts, ids and cut points take."""
         return self._bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._kept)
 
-    def _keep(self, text: str, ids: list[int]) -> None:
+    def _longest_cut(self, text: str, reach: int) -> tuple[_Kept | None, int, int]:
+        """(a kept text's entry, how many of its ids to reuse, up to which character of
+        ``text``): the latest cut point of a kept text that ``text`` agrees with up to
+        ``reach`` characters past it (under the lock; an entry is never changed once kept, so
+        it can be read after)."""
+        best: tuple[_Kept | None, int, int] = (None, 0, 0)
+        for other in self._by_start.get(text[: self.min_chars], ()):
+            kept = self._kept[other]
+            agree = _common_prefix(text, other, self.min_chars)
+            j = bisect.bisect_right(kept.chars, agree - reach) - 1
+            if j >= 0 and kept.chars[j] > best[2]:
+                best = (kept, kept.index[j], kept.chars[j])
+        return best
+
+    def _keep(self, text: str, cuts: Cuts) -> None:
         try:
-            packed = array("i", ids)  # 4 bytes an id (a list of ints takes ~36)
+            kept = _Kept(text, cuts)
         except OverflowError:  # an id past 2^31: not kept
             return
-        size = _size(text, packed)
-        if size > self.max_bytes:
+        if kept.nbytes > self.max_bytes:
             return
+        start = text[: self.min_chars]
         with self._lock:
-            if text in self._entries:  # another thread kept it meanwhile
+            if text in self._kept:  # another thread kept it meanwhile
                 return
-            self._entries[text] = packed
-            self._bytes += size
+            self._kept[text] = kept
+            self._by_start.setdefault(start, []).append(text)
+            self._bytes += kept.nbytes
             while self._bytes > self.max_bytes:
-                old, old_ids = self._entries.popitem(last=False)
-                self._bytes -= _size(old, old_ids)
+                old, gone = self._kept.popitem(last=False)
+                self._bytes -= gone.nbytes
+                same = self._by_start[old[: self.min_chars]]
+                same.remove(old)
+                if not same:
+                    del self._by_start[old[: self.min_chars]]
 
 
-def _size(text: str, ids: array) -> int:
-    return sys.getsizeof(text) + ids.itemsize * len(ids)
+def _extend(cuts: TextCuts, text: str, head: _Kept, k: int, b: int) -> Cuts:
+    """``text``'s ids and cut points: ``head``'s first ``k`` ids (those before its cut at
+    character ``b``, where ``text`` agrees with it) and the rest of ``text`` tokenized."""
+    tail = cuts.encode(text[b:], add_special_tokens=False)
+    if not tail.ids or tail.ids[0] != head.ids[k]:  # not the cut's token there: never reuse
+        return cuts.encode(text)
+    n = bisect.bisect_left(head.index, k)  # the head's cut points before k
+    return Cuts(head.ids[:k].tolist() + tail.ids,
+                head.index[:n].tolist() + [k + i for i in tail.index],
+                head.chars[:n].tolist() + [b + c for c in tail.chars])  # fmt: skip
+
+
+def _common_prefix(a: str, b: str, known: int) -> int:
+    """How many first characters ``a`` and ``b`` share, given that the first ``known`` do:
+    bisection over slices compared at C speed (a character loop would take ~30 ms at 676K)."""
+    lo, hi = known, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

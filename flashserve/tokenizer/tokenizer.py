@@ -10,6 +10,7 @@ that live beside it: BOS/EOS ids, whether BOS is added, the chat template. Three
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from tokenizers import Tokenizer as Backend
 from flashserve.loaders.errors import WeightsError
 from flashserve.tokenizer import gguf as gguf_tokenizer
 from flashserve.tokenizer.chat_template import render_chat
+from flashserve.tokenizer.cuts import TextCuts
 
 
 class Tokenizer:
@@ -153,6 +155,13 @@ class Tokenizer:
         holds it throughout (17 s for 8 MB on a byte-level vocabulary, during which a server's
         event loop on another thread could not answer anything)."""
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def cuts(self) -> TextCuts | None:
+        """Where a text's tokenization can be cut and reused within a longer text (before a
+        special token: ``flashserve.tokenizer.cuts``), or None for a pipeline not known to
+        allow it."""
+        return TextCuts.of(self._backend)
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on the number of tokens of ``text``, without tokenizing it: no token
