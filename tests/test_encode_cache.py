@@ -254,3 +254,31 @@ def test_the_prompt_checker_tokenizes_a_repeated_prompt_once():
         short.checked_ids(text, params)
     with pytest.raises(ValueError, match="over the context length"):
         short.checked_ids(text, params)  # from the cache, checked the same
+
+
+def test_only_the_latest_kept_texts_are_compared_for_a_cut():
+    tok = Tokenizer.from_gguf(default_gguf_path())
+    rng = random.Random()
+    start = "<|im_start|>system\n" + "x" * 100  # one start, then each chat its own
+    chats = [f"{start} {words(300, rng)}<|im_end|>\n<|im_start|>user\n{words(50, rng)}<|im_end|>\n"
+             for _ in range(4)]  # fmt: skip
+    tails = []
+    real = tok.cuts.encode
+
+    def spy(text, add_special_tokens=True):
+        if not add_special_tokens:
+            tails.append(text)
+        return real(text, add_special_tokens)
+
+    tok.cuts.encode = spy
+    try:
+        cache = EncodeCache(tok, min_chars=64, candidates=2)
+        for chat in chats:
+            cache(chat)
+        turn = "<|im_start|>assistant\nok<|im_end|>\n"
+        assert cache(chats[0] + turn) == tok.encode(chats[0] + turn)  # not among the latest 2
+        assert not tails
+        assert cache(chats[3] + turn) == tok.encode(chats[3] + turn)
+        assert tails == [chats[3][chats[3].rindex("<|im_start|>") :] + turn]
+    finally:
+        del tok.cuts.encode

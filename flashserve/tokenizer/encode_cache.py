@@ -50,15 +50,21 @@ class _Kept:
 class EncodeCache:
     """``tokenizer.encode`` with the ids of recent long texts kept and reused (module doc);
     thread-safe (the HTTP front end checks prompts on worker threads). Each call returns a
-    list of its own."""
+    list of its own. ``candidates``: how many of the latest kept texts with a new text's
+    first ``min_chars`` characters it is compared with for a cut (many chats behind one long
+    system prompt: each comparison reads both texts)."""
 
-    def __init__(self, tokenizer: Encoder, min_chars: int = 4096, max_bytes: int = 64 << 20):
-        if min_chars < 1 or max_bytes < 0:
-            raise ValueError(f"min_chars must be >= 1 and max_bytes >= 0, got {min_chars}, "
-                             f"{max_bytes}")  # fmt: skip
+    def __init__(
+        self, tokenizer: Encoder, min_chars: int = 4096, max_bytes: int = 64 << 20,
+        candidates: int = 8,
+    ) -> None:  # fmt: skip
+        if min_chars < 1 or max_bytes < 0 or candidates < 0:
+            raise ValueError(f"min_chars must be >= 1, max_bytes and candidates >= 0, got "
+                             f"{min_chars}, {max_bytes}, {candidates}")  # fmt: skip
         self._tokenizer = tokenizer
         self.min_chars = min_chars
         self.max_bytes = max_bytes
+        self.candidates = candidates
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self._by_start: dict[str, list[str]] = {}  # first min_chars characters -> kept texts
         self._bytes = 0
@@ -73,8 +79,10 @@ class EncodeCache:
             if kept is not None:
                 self._kept.move_to_end(text)
                 return kept.ids.tolist()
-            head, k, b = self._longest_cut(text, cuts.max_chars) if cuts else (None, 0, 0)
-        # tokenizing outside the lock: other prompts' lookups go on meanwhile
+            same = self._by_start.get(text[: self.min_chars], []) if cuts else []
+            candidates = [(t, self._kept[t]) for t in same[len(same) - self.candidates :]]
+        # the rest outside the lock (a kept entry never changes): other prompts' lookups go on
+        head, k, b = _longest_cut(text, candidates, self.min_chars, cuts.max_chars if cuts else 0)
         if cuts is None:
             whole = Cuts(self._tokenizer.encode(text), [], [])
         elif head is None:
@@ -91,20 +99,6 @@ class EncodeCache:
 
     def __len__(self) -> int:
         return len(self._kept)
-
-    def _longest_cut(self, text: str, reach: int) -> tuple[_Kept | None, int, int]:
-        """(a kept text's entry, how many of its ids to reuse, up to which character of
-        ``text``): the latest cut point of a kept text that ``text`` agrees with up to
-        ``reach`` characters past it (under the lock; an entry is never changed once kept, so
-        it can be read after)."""
-        best: tuple[_Kept | None, int, int] = (None, 0, 0)
-        for other in self._by_start.get(text[: self.min_chars], ()):
-            kept = self._kept[other]
-            agree = _common_prefix(text, other, self.min_chars)
-            j = bisect.bisect_right(kept.chars, agree - reach) - 1
-            if j >= 0 and kept.chars[j] > best[2]:
-                best = (kept, kept.index[j], kept.chars[j])
-        return best
 
     def _keep(self, text: str, cuts: Cuts) -> None:
         try:
@@ -127,6 +121,21 @@ class EncodeCache:
                 same.remove(old)
                 if not same:
                     del self._by_start[old[: self.min_chars]]
+
+
+def _longest_cut(
+    text: str, candidates: list[tuple[str, _Kept]], known: int, reach: int
+) -> tuple[_Kept | None, int, int]:
+    """(a kept text's entry, how many of its ids to reuse, up to which character of ``text``):
+    the latest cut point of a candidate that ``text`` agrees with ``reach`` characters past it
+    (the first ``known`` characters agree)."""
+    best: tuple[_Kept | None, int, int] = (None, 0, 0)
+    for other, kept in candidates:
+        agree = _common_prefix(text, other, known)
+        j = bisect.bisect_right(kept.chars, agree - reach) - 1
+        if j >= 0 and kept.chars[j] > best[2]:
+            best = (kept, kept.index[j], kept.chars[j])
+    return best
 
 
 def _extend(cuts: TextCuts, text: str, head: _Kept, k: int, b: int) -> Cuts:
