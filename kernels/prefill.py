@@ -290,21 +290,29 @@ def _prefill_tile(
     qk_scale, cap_in, cap_out, window,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_btb,
     stride_ot, stride_oh, stride_lt, stride_lh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    FP8: tl.constexpr,
-    TMA: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,  # TMA over pools of a head's rows (pool_view)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    split=0,  # SPLIT: this program's part of the keys before the diagonal (of n_splits)
+    n_splits=1,
+    stride_ps=0,  # SPLIT: Out and Lse are the parts' buffers [S, T, Hq, D] / [S, T, Hq]
+    stride_pls=0,
+    SPLIT: tl.constexpr = False,
+    GROUP: tl.constexpr = 1,
+    HEAD_DIM: tl.constexpr = 128,
+    PAGE: tl.constexpr = 16,
+    STORE_LSE: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    TMA: tl.constexpr = False,
+    HEAD_MAJOR: tl.constexpr = False,  # TMA over pools of a head's rows (pool_view)
+    BLOCK_M: tl.constexpr = 64,
+    BLOCK_N: tl.constexpr = 64,
+    BLOCK_D: tl.constexpr = 128,
+    DOT_PRECISION: tl.constexpr = "tf32",
 ):  # fmt: skip
-    """One work item: a query tile of one head of one sequence (nothing past the chunk)."""
+    """One work item: a query tile of one head of one sequence (nothing past the chunk). With
+    SPLIT, only part ``split`` of the ``n_splits`` parts of the tiles before the diagonal (the
+    last part takes the diagonal too), its normalized output and LSE into part ``split`` of
+    Out and Lse (an empty part: LSE -inf, output 0)."""
     q_start = tl.load(CuSeqlensQ + b)
     q_len = tl.load(CuSeqlensQ + b + 1) - q_start
     m0 = tile * BLOCK_M
@@ -344,6 +352,14 @@ def _prefill_tile(
         s_head = (h // GROUP) * PAGE
         # keys before the tile's first query are visible to all its queries (causally)
         full_end = (ctx + m0) // BLOCK_N * BLOCK_N
+        last = True
+        if SPLIT:  # this part's run of those tiles (no window: the launcher does not split)
+            n_full = full_end // BLOCK_N
+            full_lo = split * n_full // n_splits * BLOCK_N
+            full_end = (split + 1) * n_full // n_splits * BLOCK_N
+            last = split == n_splits - 1
+        else:
+            full_lo = 0
         if WINDOWED:
             # Skip the tiles wholly left of the first query's window; mask those that some
             # query's window cuts (up to the first key that the tile's last query sees).
@@ -360,7 +376,7 @@ def _prefill_tile(
             )  # fmt: skip
         else:
             win_lo = 0
-            mid = 0
+            mid = full_lo
         acc, l_i, m_i = _prefill_inner(
             acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, head_row, s_head, mid, full_end,
             q_pos, seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
@@ -371,6 +387,8 @@ def _prefill_tile(
         )  # fmt: skip
         # the diagonal: up to the tile's last query
         diag_end = tl.minimum(ctx + m0 + BLOCK_M, seq_len)
+        if not last:  # another part's
+            diag_end = full_end
         acc, l_i, m_i = _prefill_inner(
             acc, l_i, m_i, q, K, V, KS, VS, bt, head_off, head_row, s_head, full_end, diag_end,
             q_pos, seq_len, win_lo, window, qk_scale, cap_in, cap_out, stride_kb, stride_kt,
@@ -380,7 +398,12 @@ def _prefill_tile(
             DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
 
-        out = acc / l_i[:, None]
+        if SPLIT:  # an empty part: l_i 0, output 0, LSE -inf
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            Out += split.to(tl.int64) * stride_ps
+            Lse += split.to(tl.int64) * stride_pls
+        else:
+            out = acc / l_i[:, None]
         if FP8:
             out = out * (1.0 / _V_SHIFT)  # a power of two: exact
         tl.store(
@@ -388,12 +411,12 @@ def _prefill_tile(
             out.to(Out.dtype.element_ty),
             mask=m_mask[:, None] & d_mask[None, :],
         )
-        if STORE_LSE:
-            lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
+        if STORE_LSE or SPLIT:
+            lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log (-inf where empty)
             tl.store(Lse + rows * stride_lt + h * stride_lh, lse, mask=m_mask)
 
 
-@triton.jit(do_not_specialize=PREFILL_STEP_INTS)
+@triton.jit(do_not_specialize=(*PREFILL_STEP_INTS, "n_splits", "stride_ps", "stride_pls"))
 def _prefill_kernel(
     Q,  # [T, Hq, D]
     K,  # [N, PAGE, Hkv, D], or (TMA) a descriptor over it as [N * PAGE, Hkv * D]
@@ -423,6 +446,9 @@ def _prefill_kernel(
     stride_oh,
     stride_lt,
     stride_lh,
+    n_splits,  # SPLIT: parts of each query tile's keys (grid axis 2: B * n_splits)
+    stride_ps,  # SPLIT: Out / Lse are the parts' buffers [S, T, Hq, D] / [S, T, Hq]
+    stride_pls,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -433,6 +459,7 @@ def _prefill_kernel(
     TMA: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,  # TMA over pools of a head's rows (pool_view)
     PERSISTENT: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -459,12 +486,19 @@ def _prefill_kernel(
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
                     DOT_PRECISION=DOT_PRECISION,
                 )  # fmt: skip
-    else:  # grid (query tiles, Hq, B), heavy (late) tiles first
+    else:  # grid (query tiles, Hq, B [* n_splits]), heavy (late) tiles first
+        if SPLIT:
+            b = tl.program_id(2) // n_splits
+            split = tl.program_id(2) % n_splits
+        else:
+            b = tl.program_id(2)
+            split = 0
         _prefill_tile(
-            tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), b,
             Q, K, V, KS, VS, CuSeqlensQ, SeqLens, BlockTables, Out, Lse,
             qk_scale, cap_in, cap_out, window, stride_qt, stride_qh, stride_kb, stride_kt,
             stride_kh, stride_sb, stride_btb, stride_ot, stride_oh, stride_lt, stride_lh,
+            split, n_splits, stride_ps, stride_pls, SPLIT=SPLIT,
             GROUP=GROUP, HEAD_DIM=HEAD_DIM, PAGE=PAGE, STORE_LSE=STORE_LSE, WINDOWED=WINDOWED,
             SOFTCAP=SOFTCAP, FP8=FP8, TMA=TMA,
             HEAD_MAJOR=HEAD_MAJOR, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
@@ -698,6 +732,7 @@ def prefill_attention(
     v_scale: torch.Tensor | None = None,
     path: str = "portable",
     fp8_scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_splits: int = 1,
 ):
     """Causal attention of each chunk over its cached context plus itself (see module doc).
 
@@ -721,6 +756,12 @@ def prefill_attention(
     where the Gluon kernel would take a 16-bit cache and a sequence's pages fit in them, the
     pages are dequantized into them (``kernels.kv_dequant``; the batch in groups that fit:
     ``_gluon_over_fp8``) and the Gluon kernel reads those.
+    ``kv_splits`` > 1 (the portable path, no window): each query tile's keys before its
+    diagonal are cut into that many parts, each a program of its own (grid ``(tiles, Hq, B *
+    kv_splits)``), merged by their LSEs after (``merge_kv_parts``): for a few query tiles over a
+    long context, whose programs alone would leave most SMs idle. ``"auto"`` on a GPU takes
+    that where ``prefill_kv_splits`` cuts (host ``max_query_len`` and ``max_seq_len`` given,
+    no window).
     Returns ``out`` [T, Hq, D], and ``lse`` [T, Hq] fp32 (natural log) if ``return_lse``.
     """
     window, softcap = check_window_softcap(window, softcap)
@@ -750,6 +791,20 @@ def prefill_attention(
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if return_lse else None
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if kv_splits < 1 or (kv_splits > 1 and (path != "portable" or window > 0)):
+        raise ValueError(f"kv_splits {kv_splits}: >= 1, and > 1 only on the portable path "
+                         "without a window")  # fmt: skip
+    if (
+        path == "auto"
+        and kv_splits == 1
+        and window == 0
+        and q.is_cuda
+        and (max_query_len is not None and max_seq_len is not None)
+    ):  # a few query tiles over a long context: the portable kernel over parts of the keys
+        block_m, block_n = prefill_config(d, q.dtype)[:2]
+        tiles = triton.cdiv(max_query_len, block_m) * hq * bsz
+        kv_splits = prefill_kv_splits(tiles, max_seq_len, block_n, num_sms(q.device))
+        path = "portable" if kv_splits > 1 else path
     gluon = dequant = None
     if path == "gluon":  # refused before the empty-batch return: the answer must not depend on T
         gluon = _gluon_config(q, k_cache, v_cache, fp8, window, softcap, config)
@@ -787,24 +842,64 @@ def prefill_attention(
         scales = _scale_descriptors(k_scale, v_scale, block_n)
     else:
         scales = (k_scale, v_scale)
+    split = kv_splits > 1
     if per_sm:  # persistent: a program per SM slot, looping over the work items
         grid = (min(n_tiles * hq * bsz, num_sms(q.device) * per_sm),)
     else:
-        grid = (n_tiles, hq, bsz)
+        grid = (n_tiles, hq, bsz * kv_splits)
+    if split:  # the parts' outputs and LSEs, merged below
+        parts = torch.empty((kv_splits, t, hq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((kv_splits, t, hq), dtype=torch.float32, device=q.device)
+        dest, dest_lse = parts[0], part_lse[0]
+    else:
+        dest, dest_lse = out, lse_arg
     _prefill_kernel[grid](
-        q, *kv, *scales, cu_seqlens_q, seq_lens, block_tables, out, lse_arg,
+        q, *kv, *scales, cu_seqlens_q, seq_lens, block_tables, dest, dest_lse,
         scale * _LOG2E, *softcap_factors(scale, softcap), window, n_tiles, hq, bsz,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0) if fp8 else 0,
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
+        dest.stride(0), dest.stride(1),
+        *((dest_lse.stride(0), dest_lse.stride(1)) if split or return_lse else (0, 0)),
+        kv_splits, parts.stride(0) if split else 0, part_lse.stride(0) if split else 0,
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, STORE_LSE=return_lse,
         WINDOWED=window > 0, SOFTCAP=softcap > 0, FP8=fp8, TMA=hopper,
-        HEAD_MAJOR=hopper and is_head_major(k_cache), PERSISTENT=per_sm > 0,
+        HEAD_MAJOR=hopper and is_head_major(k_cache), PERSISTENT=per_sm > 0, SPLIT=split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if split:
+        merge_kv_parts(parts, part_lse, out, lse)
     return (out, lse) if return_lse else out
+
+
+def merge_kv_parts(
+    parts: torch.Tensor,  # [S, T, Hq, D] fp32, each part's normalized output
+    part_lse: torch.Tensor,  # [S, T, Hq] fp32, each part's LSE (-inf: an empty part)
+    out: torch.Tensor,  # [T, Hq, D]
+    lse: torch.Tensor | None = None,  # [T, Hq] fp32
+) -> None:
+    """``out = sum_s exp(lse_s - lse) parts_s`` with ``lse = log sum_s exp(lse_s)`` (every row
+    has a part with keys: the last holds the diagonal)."""
+    total = torch.logsumexp(part_lse, dim=0)  # [T, Hq]
+    weights = torch.exp(part_lse - total)  # [S, T, Hq]; 0 for an empty part
+    out.copy_(torch.einsum("sth,sthd->thd", weights, parts))
+    if lse is not None:
+        lse.copy_(total)
+
+
+def prefill_kv_splits(n_programs: int, max_seq_len: int, block_n: int, sms: int) -> int:
+    """Parts to cut each query tile's keys into (``prefill_attention(kv_splits=)``) where the
+    step's own programs (query tiles x heads x sequences) would leave half the SMs or more
+    idle: about one wave of programs (the portable kernel's 128 x 128 tiles take one program
+    an SM at head dim 128), each part at least 8 KV tiles long; else 1 (no cut). A 128-token
+    chunk of 32 heads over 120K tokens (H100, ``docs/benchmarks/serving.md``, session 36): one
+    program per head walks all of it, 1.36 ms a layer on the Gluon path and 2.42 on the
+    portable one; in 4 parts 0.74 (2 parts 1.37, 8 parts 0.76); over an fp8 cache 0.98 against
+    3.34 on the Hopper path. A 512-token chunk (128 programs) is not cut: in parts it lost (2.65
+    ms against 1.67 on Gluon)."""
+    if 2 * n_programs > sms:
+        return 1
+    return max(1, min(sms // n_programs, max_seq_len // (8 * block_n), 32))

@@ -97,8 +97,8 @@ def prefill_kernel(fp8: bool, dt: str = "bf16", d: int = 128, cfg=(128, 128, 8, 
     ptrs = {"Q": f"*{dt}", **_caches(fp8, dt), "CuSeqlensQ": "*i32", "SeqLens": "*i32",
             "BlockTables": "*i32", "Out": f"*{dt}", "Lse": "*fp32", **(_types or {})}  # fmt: skip
     consts = dict(GROUP=4, HEAD_DIM=d, PAGE=16, STORE_LSE=True, WINDOWED=False, SOFTCAP=False,
-                  FP8=fp8, TMA=False, HEAD_MAJOR=False, PERSISTENT=False, BLOCK_M=cfg[0],
-                  BLOCK_N=cfg[1], BLOCK_D=d,
+                  FP8=fp8, TMA=False, HEAD_MAJOR=False, PERSISTENT=False, SPLIT=False,
+                  BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_D=d,
                   DOT_PRECISION="ieee" if dt == "fp32" else "tf32")  # fmt: skip
     consts.update(flags)
     return _compile(prefill._prefill_kernel, ptrs, consts, num_warps=cfg[2], num_stages=cfg[3])

@@ -158,10 +158,11 @@ def test_scheduling_does_not_change_greedy_output(overrides):
 def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch):
     """``warm_up`` (on by default on CUDA, asked for here on the CPU) runs its groups of
     requests before the engine is ready: a greedy prompt of twice the step budget and 273
-    tokens; for each row count at which the GEMVs compile apart (2, 3, 5, 9, 16) a prompt of
-    that many tokens alone, and, where max_num_seqs lets them run at once, that many prompts of
-    two tokens together (steps of n rows at the projections and at the LM head, none of them
-    decode-shaped); 273 and a sampled 17 together; 17 and a sampled 17 together. Every prompt
+    tokens, and one of twice the budget and 17; for each row count at which the GEMVs compile
+    apart (2, 3, 5, 9, 16) a prompt of that many tokens alone, and, where max_num_seqs lets
+    them run at once, that many prompts of two tokens together (steps of n rows at the
+    projections and at the LM head, none of them decode-shaped); 273 and a sampled 17
+    together; 17 and a sampled 17 together. Every prompt
     is computed whole (none served from another's cached blocks); after them the pool is
     whole, the prefix cache empty, the counters zero, and unseeded sampling draws as an engine
     without them draws (they carry their own seeds)."""
@@ -181,15 +182,15 @@ def test_start_up_warm_up_runs_a_request_and_leaves_no_trace(caplog, monkeypatch
         warm = LLM(EngineConfig(**kw, warm_up=True))
     monkeypatch.setattr(ModelRunner, "execute", execute)
     assert rows_compiled_apart() == (1, 2, 3, 5, 9, 16)
-    sizes = [401, 2, 3, 5, 9, 16, 2, 2, 2, 2, 2, 273, 17, 17, 17]  # 2 and 3 prompts of 2: <= 4
-    shown = "401; 2; 3; 5; 9; 16; 2 x 2; 3 x 2; 273 + 17; 17 + 17"
+    sizes = [401, 145, 2, 3, 5, 9, 16, 2, 2, 2, 2, 2, 273, 17, 17, 17]  # 2 x 2, 3 x 2: <= 4
+    shown = "401; 145; 2; 3; 5; 9; 16; 2 x 2; 3 x 2; 273 + 17; 17 + 17"
     assert f"warm-up: {len(sizes)} requests in " in caplog.text
     assert f"prompt tokens by group: {shown}" in caplog.text
     assert sum(n for step in steps for _, n in step) == sum(sizes) + len(sizes), steps
     prefills = [[n for done, n in step if done == 0] for step in steps]
     # every first chunk from token 0; the groups' first steps, one after another
-    assert [p for p in prefills if p] == [[64], [2], [3], [5], [9], [16], [2, 2], [2, 2, 2],
-                                          [64], [17], [17, 17]], steps  # fmt: skip
+    assert [p for p in prefills if p] == [[64], [64], [2], [3], [5], [9], [16], [2, 2],
+                                          [2, 2, 2], [64], [17], [17, 17]], steps  # fmt: skip
     rows = [sum(n for _, n in step) for step in steps]
     assert {2, 3, 5, 9, 16} <= set(rows), rows  # the projections' row counts
     logits = [len(step) for step in steps if any(n > 1 for _, n in step)]

@@ -472,6 +472,47 @@ def test_prefill_matches_reference(dtype, hq, hkv, d, qlens, ctx, page):
     assert_close(lse, ref_lse, LSE_TOL[dtype], "prefill lse")
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype,hq,hkv,d,qlens,ctx,page", [
+    (torch.float16, 4, 2, 64, [5, 70, 1], [900, 300, 0], 16),  # a part with no keys: ctx 0
+    (torch.float32, 4, 1, 64, [33, 2], [517, 1000], 32),
+    (torch.float16, 2, 2, 128, [64], [1500], 64),
+])  # fmt: skip
+def test_prefill_kv_splits_match_the_reference(dtype, hq, hkv, d, qlens, ctx, page, splits):
+    """Each query tile's keys in parts, merged by their LSEs: the same attention as one pass,
+    parts without keys (short contexts, more parts than tiles) included."""
+    kv = Paged([n + c for n, c in zip(qlens, ctx)], hkv, d, page, dtype)
+    cu = cu_of(qlens)
+    q = torch.randn(sum(qlens), hq, d, device=DEVICE).to(dtype)
+    out, lse = run_prefill(q, kv, cu, d**-0.5, kv_splits=splits)
+    ref_out, ref_lse = prefill_ref(q, kv, cu, d**-0.5)
+    assert_close(out, ref_out, TOL[dtype], f"prefill out, {splits} parts")
+    assert_close(lse, ref_lse, LSE_TOL[dtype], f"prefill lse, {splits} parts")
+    plain = prefill_attention(q, kv.k, kv.v, cu, kv.seq_lens, kv.block_tables, d**-0.5,
+                              max_query_len=max(qlens), kv_splits=splits)  # fmt: skip
+    assert_close(plain, ref_out, TOL[dtype], "prefill out without the lse")
+
+
+@pytest.mark.parametrize("kw", [{"kv_splits": 0}, {"kv_splits": 2, "window": 64},
+                                {"kv_splits": 2, "path": "hopper"}])  # fmt: skip
+def test_prefill_kv_splits_refused_where_they_cannot_run(kw):
+    kv = Paged([100], 2, 64, 16, torch.float16)
+    q = torch.randn(10, 2, 64, device=DEVICE).to(torch.float16)
+    with pytest.raises(ValueError, match="kv_splits"):
+        prefill_attention(q, kv.k, kv.v, cu_of([10]), kv.seq_lens, kv.block_tables, 0.125, **kw)
+
+
+def test_prefill_kv_splits_fill_the_sms_only_where_the_programs_leave_them_idle():
+    from kernels.prefill import prefill_kv_splits
+
+    assert prefill_kv_splits(32, 120064, 128, 132) == 4  # a 128-token chunk of 32 heads
+    assert prefill_kv_splits(66, 120064, 128, 132) == 2
+    assert prefill_kv_splits(67, 120064, 128, 132) == 1  # over half the SMs busy: no cut
+    assert prefill_kv_splits(512, 120064, 128, 132) == 1
+    assert prefill_kv_splits(8, 4096, 128, 132) == 4  # short context: parts of >= 8 tiles
+    assert prefill_kv_splits(32, 512, 128, 132) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_prefill_chunks_equal_whole_prompt(dtype):
     """Chunked prefill (each chunk attending to the cached context) == the prompt at once."""

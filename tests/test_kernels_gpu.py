@@ -471,6 +471,31 @@ def test_prefill_auto_takes_the_sm90_paths(window):
         assert torch.equal(auto, same), (page, picked)
 
 
+@pytest.mark.parametrize("qlen, ctx", [(64, 60000), (128, 20000), (1, 9000)])
+def test_prefill_short_chunk_over_a_long_context_in_kv_parts(qlen, ctx):
+    """A few query tiles over a long context: ``path="auto"`` cuts the keys into parts
+    (``prefill_kv_splits``; the same bits as ``path="portable"`` with that many), and the
+    result is the reference's, LSE included."""
+    from kernels.common import num_sms
+    from kernels.prefill import prefill_attention, prefill_config, prefill_kv_splits
+
+    k, v, bt, sl = paged([ctx + qlen], 8, 128, 128)
+    q = torch.randn(qlen, 32, 128, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of([qlen])
+    kw = dict(max_query_len=qlen, max_seq_len=ctx + qlen, return_lse=True)
+    block_m, block_n = prefill_config(128, torch.bfloat16)[:2]
+    sms = num_sms(torch.device("cuda"))
+    splits = prefill_kv_splits(-(-qlen // block_m) * 32, ctx + qlen, block_n, sms)
+    assert splits > 1
+    auto, auto_lse = prefill_attention(q, k, v, cu, sl, bt, 0.088, path="auto", **kw)
+    same, same_lse = prefill_attention(q, k, v, cu, sl, bt, 0.088, kv_splits=splits, **kw)
+    assert torch.equal(auto, same) and torch.equal(auto_lse, same_lse)
+    ref, ref_lse = reference.prefill_attention(q.float(), k.float(), v.float(), cu, sl, bt,
+                                               0.088, return_lse=True)  # fmt: skip
+    assert_close(auto, ref, BF16_TOL, f"{splits} parts")
+    assert_close(auto_lse, ref_lse, LSE_TOL, f"{splits} parts, lse")
+
+
 @pytest.mark.parametrize("path", ["hopper", "gluon"])
 def test_prefill_sm90_paths_llama3_8b_16k_chunked(path):
     """A 16K prompt of Llama-3-8B heads on 128-token pages at once (on the Gluon kernel 4,096

@@ -126,7 +126,10 @@ class LLMEngine:
         tiles and prompts unspecialized, ``kernels.common.PREFILL_STEP_INTS``, and the eager
         steps' tables are padded to one kind of width). The warm-up meets: a greedy prompt of
         twice the step budget and 273 tokens alone (chunks of 16 tiles, the first alone, the
-        others over cached KV, then one of 3 tiles); a prompt of 273 tokens and a sampled one of
+        others over cached KV, then one of 3 tiles), and one of twice the budget and 17 (its
+        last chunk a tile over 4K tokens: the prefill kernel over parts of the keys,
+        ``kernels.prefill.prefill_kv_splits``, as a prompt found in the prefix cache but for
+        its last tokens meets); a prompt of 273 tokens and a sampled one of
         17 together; two short ones together, greedy and sampled. The GEMVs of 2-16 rows compile
         apart at the row counts ``kernels.gemv.rows_compiled_apart`` gives (2, 3, 5, 9, 16), and
         the decode graphs meet only their buckets' counts, so for each such n it runs a prompt
@@ -149,8 +152,10 @@ class LLMEngine:
         longest = self.max_model_len - 2
         greedy, sampled = 0.0, 1.0
         rows = rows_compiled_apart()[1:]
+        budget = self.config.max_num_batched_tokens
         groups = (
-            ((2 * self.config.max_num_batched_tokens + 273, greedy),),
+            ((2 * budget + 273, greedy),),
+            ((2 * budget + 17, greedy),),  # a last chunk of one tile: the keys in parts
             *(((n, greedy),) for n in rows),
             *(((2, greedy),) * n for n in rows if n <= self.config.max_num_seqs),
             ((273, greedy), (17, sampled)),

@@ -1,10 +1,11 @@
 # A prompt whose long prefix the prefix cache holds: where its first token's time goes, on one
 # GPU. PHASE=process: the prefill kernel per path for a short chunk over a long context
-# (kernels.bench.time_prefill_chunk), then docs/benchmarks/reuse_ttft.py in process (bf16 with
-# a profile, then fp8 weights + cache). PHASE=server: a server's own time to first token
-# (/metrics) against the client's for a 120K document asked again, with and without async
-# scheduling. Session 35 ran the two phases as two calls (as .carry/s5.sh and .carry/s6.sh; one
-# `tail` fixed since).
+# (kernels.bench.time_prefill_chunk; the portable kernel over 2-8 parts of the keys and "auto"
+# beside Gluon, two rounds; an fp8 cache at 128-token pages), then docs/benchmarks/reuse_ttft.py
+# in process (bf16 with a profile, then fp8 weights + cache). PHASE=server: a server's own time
+# to first token (/metrics) against the client's for a 120K document asked again, with and
+# without async scheduling. Session 35 ran the two phases as two calls (as .carry/s5.sh and
+# .carry/s6.sh; one `tail` fixed since); session 36 the chunk table alone (.carry/s1.sh).
 #   run: TREE=<commit> PHASE=process|server bash docs/benchmarks/device/reuse_ttft.sh  carry: [".whl"]
 LIMIT=${LIMIT:-560}
 if [ "${PHASE:-}" = process ]; then
@@ -13,19 +14,27 @@ cat > /tmp/chunk.py <<'PY'
 import json, os, torch
 from kernels.bench import time_prefill_chunk
 res = []
-for path in ("gluon", "hopper", "portable"):
-    for chunk in (64, 128, 512, 2048):
+def one(kv, path, chunk, ctx, splits):
+    kw = {"kv_splits": splits} if splits > 1 else {}
+    try:
+        us = time_prefill_chunk(chunk, ctx, page=128, path=path, kv=kv, **kw)
+    except Exception as e:
+        print(kv, path, splits, chunk, ctx, "failed", str(e)[:300], flush=True); return
+    tf = 4 * 32 * 128 * chunk * (ctx - chunk / 2) / us / 1e6
+    res.append({"kv": kv, "path": path, "kv_splits": splits, "chunk": chunk, "ctx": ctx, "us": us, "tflops": tf})
+    print(f"{kv:4s} {path:9s} x{splits:<2d} chunk {chunk:5d} ctx {ctx:6d}: {us:9.1f} us {tf:6.1f} TFLOP/s", flush=True)
+for rnd in range(2):
+    for chunk in (64, 128, 512):
         for ctx in (120064, 32768):
-            try:
-                us = time_prefill_chunk(chunk, ctx, page=128, path=path)
-            except Exception as e:
-                print(path, chunk, ctx, "failed", str(e)[:200]); continue
-            tf = 4 * 32 * 128 * chunk * (ctx - chunk / 2) / us / 1e6
-            res.append({"path": path, "chunk": chunk, "ctx": ctx, "us": us, "tflops": tf})
-            print(f"{path:9s} chunk {chunk:5d} ctx {ctx:6d}: {us:9.1f} us {tf:6.1f} TFLOP/s", flush=True)
+            for path, s in (("gluon", 1), ("portable", 1), ("portable", 2), ("portable", 4), ("portable", 8), ("auto", 1)):
+                one("bf16", path, chunk, ctx, s)
+for chunk in (128,):
+    for ctx in (120064, 32768):
+        for path, s in (("auto", 1), ("hopper", 1), ("portable", 1), ("portable", 4)):
+            one("fp8", path, chunk, ctx, s)
 json.dump(res, open(os.environ["OUT"] + "/chunk.json", "w"), indent=1)
 PY
-step chunk 150 python3 /tmp/chunk.py
+step chunk 200 python3 /tmp/chunk.py
 step reuse 200 python3 docs/benchmarks/reuse_ttft.py --model dummy:llama3.1-8b --prefix 120000 \
   --new 64 --rounds 3 --profile "$OUT/prof" --json "$OUT/reuse.json"
 step reuse_fp8 170 python3 docs/benchmarks/reuse_ttft.py --model dummy:llama3.1-8b --prefix 120000 \
