@@ -279,6 +279,133 @@ def test_only_the_latest_kept_texts_are_compared_for_a_cut():
         assert cache(chats[0] + turn) == tok.encode(chats[0] + turn)  # not among the latest 2
         assert not tails
         assert cache(chats[3] + turn) == tok.encode(chats[3] + turn)
-        assert tails == [chats[3][chats[3].rindex("<|im_start|>") :] + turn]
+        # from the last line start (the user's words after "<|im_start|>user\n")
+        assert tails == [chats[3][chats[3].rindex("user\n") + 5 :] + turn]
     finally:
         del tok.cuts.encode
+
+
+def _bpe_with(pre: str, nfc: bool = False) -> Tokenizer:
+    """The default model's vocabulary and merges behind another family's pre-tokenizer
+    (``tokenizer.ggml.pre``), under NFC where asked (as Qwen2's ``tokenizer.json`` has it)."""
+    from tokenizers import normalizers
+
+    from flashserve.tokenizer import gguf as gguf_tokenizer
+
+    meta = dict(gguf_tokenizer.read_metadata(default_gguf_path()), **{"tokenizer.ggml.pre": pre})
+    backend = gguf_tokenizer.build_backend(meta)
+    if nfc:
+        backend.normalizer = normalizers.NFC()
+    return Tokenizer(backend, eos_token_ids=[2])
+
+
+def _document(rng: random.Random, lines: int) -> str:
+    """Lines of random text (scripts, emoji, digits, whitespace runs, CRLF, the hard texts)."""
+    parts = []
+    for _ in range(lines):
+        line = random_text(rng, 30) if rng.random() < 0.8 else rng.choice(HARD_TEXTS)
+        end = rng.choice(["\n", "\n", "\n\n", "\r\n"])
+        parts.append(rng.choice(["", "", " ", "\t"]) + line + end)
+    return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_with_line_cuts(tokenizers_with_cuts):
+    byname = {name: tok for name, tok, _ in tokenizers_with_cuts}
+    return [("gguf-bpe", byname["gguf-bpe"]), ("byte-level", byname["byte-level"]),
+            ("llama3-regex", _bpe_with("llama-bpe")), ("qwen2-regex-nfc", _bpe_with("qwen2", True)),
+            ("gpt-4o-regex", _bpe_with("gpt-4o"))]  # fmt: skip
+
+
+def test_questions_after_a_document_reuse_its_ids_up_to_a_line_start(tokenizers_with_line_cuts):
+    """A document asked one question after another, with no special token between them: each
+    text's ids are a fresh tokenization's, and most are tokenized from a line start on."""
+    rng = random.Random()
+    for name, tok in tokenizers_with_line_cuts:
+        assert tok.cuts is not None and tok.cuts.lines, name
+        tails = []
+
+        def spy(text, add_special_tokens=True, real=tok.cuts.encode, tails=tails):
+            if not add_special_tokens:
+                tails.append(text)
+            return real(text, add_special_tokens)
+
+        tok.cuts.encode = spy
+        try:
+            for _ in range(6):
+                cache = EncodeCache(tok, min_chars=rng.choice([1, 64]))
+                doc = _document(rng, rng.randint(40, 120))
+                for _ in range(6):
+                    ask = rng.choice(["", "\n", " ", "\n\nQuestion: "]) + _document(rng, 2)
+                    text = doc + ask.rstrip("\n") if rng.random() < 0.5 else doc + ask
+                    got, want = cache(text), tok.encode(text)
+                    assert got == want, f"{name}: {first_diff(got, want)}"
+                for text in (doc, doc[: rng.randint(1, len(doc))], doc[:5], doc[:1]):  # shorter
+                    got, want = cache(text), tok.encode(text)
+                    assert got == want, f"{name}: {first_diff(got, want)}"
+        finally:
+            del tok.cuts.encode
+        # from a line start: the document's ids up to it reused, its last lines and the
+        # question tokenized (a question may also cut within the document: then whole)
+        assert len(tails) >= 12 and all(len(t) < 2000 for t in tails), name
+
+
+def test_a_token_across_a_line_start_falls_back_to_a_whole_tokenization():
+    """An added token that spans a newline and the letter after it: the line cut would be
+    wrong there, and the kept text's own ids (which end otherwise than its part from the cut
+    tokenized alone) say so: the text is tokenized whole."""
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.byte_level(300, 256, 257)
+    tok.cuts  # noqa: B018 (the cuts are of the pipeline before the token is added)
+    spanning = "\nQu"
+    tok._backend.add_tokens([AddedToken(spanning, normalized=False)])
+    rng = random.Random()
+    whole = []
+    real = tok.cuts.encode
+    tok.cuts.encode = lambda text, add_special_tokens=True: (
+        add_special_tokens and whole.append(text)) or real(text, add_special_tokens)  # fmt: skip
+    try:
+        cache = EncodeCache(tok, min_chars=64)
+        doc = "".join(f"{words(8, rng)}\nQuestion {i}\n" for i in range(20))
+        for i in range(4):
+            text = doc + f"{i} {words(3, rng)}"  # parts right after the document
+            assert cache(text) == tok.encode(text)
+            assert spanning in text[-60:] and tok.encode(text).count(300) == 20
+    finally:
+        del tok.cuts.encode
+    assert len(whole) == 4  # each tokenized whole: no reuse past the token
+
+
+def test_which_pipelines_offer_line_cuts():
+    from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    from flashserve.tokenizer.gguf import REGEX_SPLITS
+
+    def lines(pre, norm=None):
+        b = Backend(models.WordLevel({"a": 0, "<s>": 1, "[UNK]": 2}, "[UNK]"))
+        b.pre_tokenizer, b.normalizer = pre, norm
+        b.add_special_tokens([AddedToken("<s>", special=True)])
+        return TextCuts.of(b).lines
+
+    known = pre_tokenizers.Split(Regex(REGEX_SPLITS["llama3"]), behavior="isolated")
+    plain = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    assert lines(pre_tokenizers.Sequence([known, plain]))
+    assert lines(pre_tokenizers.Sequence([known, plain]), normalizers.NFC())
+    assert lines(pre_tokenizers.ByteLevel(add_prefix_space=False))  # GPT-2's regex
+    assert lines(pre_tokenizers.Sequence([pre_tokenizers.Digits(True), pre_tokenizers.ByteLevel(
+        add_prefix_space=False)]))  # fmt: skip
+    assert lines(pre_tokenizers.WhitespaceSplit())
+    assert not lines(plain)  # no regex: nothing starts a piece at a line
+    assert not lines(pre_tokenizers.ByteLevel(add_prefix_space=True))  # a text's start apart
+    assert not lines(pre_tokenizers.Metaspace())
+    assert not lines(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\w+|(?<=x)y"), behavior="isolated"), plain]))  # fmt: skip
+    assert not lines(
+        pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(REGEX_SPLITS["llama3"]), behavior="removed"), plain]
+        )
+    )
+    assert not lines(pre_tokenizers.Sequence([known, plain]), normalizers.Replace("\n", " "))
+    assert not lines(None)

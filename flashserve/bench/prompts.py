@@ -111,4 +111,6 @@ def extend_prompt(
 
 
 def _words(n: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
+    """``n`` random words, a line break after every 16th (as a document's text has them: a
+    server's tokenizer may reuse a long prompt's ids up to a line start, ``EncodeCache``)."""
+    return "".join(rng.choice(WORDS) + ("\n" if i % 16 == 15 else " ") for i in range(n))[:-1]

@@ -14,7 +14,12 @@ dropped once the texts and their ids pass ``max_bytes``. A text seen before gets
 A text that starts with a kept one's first ``min_chars`` characters and agrees with it past
 one of its cut points (a special token, ``Tokenizer.cuts``: a chat template's turn markers)
 takes the kept ids up to the last such point and tokenizes only the rest; where the tokenizer
-offers no cuts (``cuts`` None) or the texts part before a cut, it is tokenized whole.
+offers no cuts (``cuts`` None) or the texts part before a cut, it is tokenized whole. Where
+the tokenizer allows line cuts (``TextCuts.lines``: a letter after a newline), the latest line
+start before the texts part is a cut point too, found when it is needed: the kept text's part
+from there, tokenized alone, must give the kept ids' end (else no reuse), and the new text's
+part from there is tokenized (a long document asked another question in the same message).
+Such a cut is taken only where it leaves less than half of the new text to tokenize.
 """
 
 from __future__ import annotations
@@ -82,13 +87,10 @@ class EncodeCache:
             same = self._by_start.get(text[: self.min_chars], []) if cuts else []
             candidates = [(t, self._kept[t]) for t in same[len(same) - self.candidates :]]
         # the rest outside the lock (a kept entry never changes): other prompts' lookups go on
-        head, k, b = _longest_cut(text, candidates, self.min_chars, cuts.max_chars if cuts else 0)
         if cuts is None:
             whole = Cuts(self._tokenizer.encode(text), [], [])
-        elif head is None:
-            whole = cuts.encode(text)
         else:
-            whole = _extend(cuts, text, head, k, b)
+            whole = _reuse(cuts, text, candidates, self.min_chars) or cuts.encode(text)
         self._keep(text, whole)
         return whole.ids
 
@@ -123,27 +125,53 @@ class EncodeCache:
                     del self._by_start[old[: self.min_chars]]
 
 
-def _longest_cut(
-    text: str, candidates: list[tuple[str, _Kept]], known: int, reach: int
-) -> tuple[_Kept | None, int, int]:
-    """(a kept text's entry, how many of its ids to reuse, up to which character of ``text``):
-    the latest cut point of a candidate that ``text`` agrees with ``reach`` characters past it
-    (the first ``known`` characters agree)."""
-    best: tuple[_Kept | None, int, int] = (None, 0, 0)
+def _reuse(
+    cuts: TextCuts, text: str, candidates: list[tuple[str, _Kept]], known: int
+) -> Cuts | None:
+    """``text``'s ids and cut points from the latest cut of a candidate that ``text`` agrees
+    with far enough past it (the first ``known`` characters agree), or None (no such cut, or
+    its check failed)."""
+    best: tuple[int, str, _Kept | None, int] = (0, "", None, 0)  # (character, text, entry, id)
     for other, kept in candidates:
         agree = _common_prefix(text, other, known)
-        j = bisect.bisect_right(kept.chars, agree - reach) - 1
-        if j >= 0 and kept.chars[j] > best[2]:
-            best = (kept, kept.index[j], kept.chars[j])
-    return best
+        j = bisect.bisect_right(kept.chars, agree - cuts.max_chars) - 1
+        if j >= 0 and kept.chars[j] > best[0]:
+            best = (kept.chars[j], other, kept, kept.index[j])
+        c = _line_start(other, agree - cuts.line_reach) if cuts.lines else 0
+        if c > best[0] and 2 * (len(other) + len(text) - 2 * c) < len(text):
+            best = (c, other, kept, -1)  # its id: found where it is used
+    b, other, kept, k = best
+    if kept is None:  # no cut past the first character
+        return None
+    if k < 0:  # a line start: the kept ids must end with its part from there alone
+        ending = array("i", cuts.tokens(other[b:]))
+        k = len(kept.ids) - len(ending)
+        if k <= 0 or kept.ids[k:] != ending:
+            return None
+    return _extend(cuts, text, kept, k, b)
 
 
-def _extend(cuts: TextCuts, text: str, head: _Kept, k: int, b: int) -> Cuts:
+def _line_start(text: str, last: int, tries: int = 256) -> int:
+    """The latest character at or before ``last`` that is a letter right after a newline (a
+    line cut), or 0: among the last ``tries`` newlines before it."""
+    end = last  # (rfind would count a negative end from the text's end)
+    for _ in range(tries if last > 0 else 0):
+        i = text.rfind("\n", 0, end)
+        if i < 0:
+            return 0
+        if text[i + 1 : i + 2].isalpha():
+            return i + 1
+        end = i
+    return 0
+
+
+def _extend(cuts: TextCuts, text: str, head: _Kept, k: int, b: int) -> Cuts | None:
     """``text``'s ids and cut points: ``head``'s first ``k`` ids (those before its cut at
-    character ``b``, where ``text`` agrees with it) and the rest of ``text`` tokenized."""
+    character ``b``, where ``text`` agrees with it) and the rest of ``text`` tokenized; None
+    where a special token's cut does not begin with that token (never reuse)."""
     tail = cuts.encode(text[b:], add_special_tokens=False)
-    if not tail.ids or tail.ids[0] != head.ids[k]:  # not the cut's token there: never reuse
-        return cuts.encode(text)
+    if k in head.index and (not tail.ids or tail.ids[0] != head.ids[k]):
+        return None
     n = bisect.bisect_left(head.index, k)  # the head's cut points before k
     return Cuts(head.ids[:k].tolist() + tail.ids,
                 head.index[:n].tolist() + [k + i for i in tail.index],
