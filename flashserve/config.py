@@ -69,7 +69,8 @@ class EngineConfig:
     # GPU), hopper (bulk tensor copies and persistent programs: sm_90, blocks of >= 64 tokens;
     # bf16/fp16/fp8 caches), gluon (FlashAttention-3 style, warp-specialized: as hopper, plus
     # Triton 3.6, bf16/fp16 models and caches, no windows or soft-caps) or auto (call by call:
-    # gluon where it can run, else hopper where it can, else portable)
+    # a few query tiles over a long context: portable over parts of the keys; else gluon where
+    # it can run, else hopper where it can, else portable)
     prefill_path: str = "auto"
     # keep the KV blocks of computed prefixes and reuse them for requests that start alike
     # (flashserve.engine.block_manager); off: every request computes its whole prompt

@@ -1,8 +1,9 @@
 """The prefill kernel's paths and what the Hopper path needs, apart from ``kernels.prefill`` so
 that the engine's config and command line read them without importing Triton."""
 
-# the engine's choices (EngineConfig.prefill_path); auto: gluon where it can run, else hopper
-# where it can, else portable (kernels.prefill)
+# the engine's choices (EngineConfig.prefill_path); auto: a few query tiles over a long context
+# on the portable kernel over parts of the keys (prefill_kv_splits), else gluon where it can
+# run, else hopper where it can, else portable (kernels.prefill)
 PATHS = ("auto", "portable", "hopper", "gluon")
 # "auto" takes the sm_90 paths from here: KV tiles of >= 64 keys. The Gluon kernel's tiles
 # (128 keys, 64 at d256, cut to the page) would run on shorter pages, but its GPU tests cover

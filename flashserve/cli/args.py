@@ -126,8 +126,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-path",
         choices=PREFILL_PATHS,
-        help="the Triton prefill kernel: auto (default: gluon where it can run, else hopper "
-        "where it can, else portable), portable (every GPU), hopper (TMA copies and "
+        help="the Triton prefill kernel: auto (default: a few query tiles over a long context "
+        "on the portable kernel over parts of the keys; else gluon where it can run, else "
+        "hopper where it can, else portable), portable (every GPU), hopper (TMA copies and "
         "persistent programs; sm_90 with --block-size 64 or more, bf16/fp16 KV, head dims "
         "64/128/256), gluon (FlashAttention-3 style, warp-specialized; as hopper, plus Triton "
         "3.6, bf16/fp16 models, no sliding windows or soft-capping; best at --block-size 128)",
