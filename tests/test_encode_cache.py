@@ -8,6 +8,7 @@ recently used go first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -39,6 +40,25 @@ class CountingEncoder:
 def words(n: int, rng: random.Random) -> str:
     return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "x" * rng.randint(1, 9)])
                     for _ in range(n))  # fmt: skip
+
+
+@contextlib.contextmanager
+def tails_of(tok: Tokenizer):
+    """The texts the cache tokenizes from a cut on (no special tokens added in front), as a
+    list that fills while the block runs."""
+    tails: list[str] = []
+    real = tok.cuts.encode
+
+    def spy(text, add_special_tokens=True):
+        if not add_special_tokens:
+            tails.append(text)
+        return real(text, add_special_tokens)
+
+    tok.cuts.encode = spy
+    try:
+        yield tails
+    finally:
+        del tok.cuts.encode
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +127,7 @@ def test_extended_texts_get_the_ids_of_a_fresh_tokenization(tokenizers_with_cuts
     rng = random.Random()
     for name, tok, specials in tokenizers_with_cuts:
         assert tok.cuts is not None, name
-        tails = []  # the texts the cache tokenized from a cut on
-        real = tok.cuts.encode
-
-        def spy(text, add_special_tokens=True, real=real, tails=tails):
-            if not add_special_tokens:
-                tails.append(text)
-            return real(text, add_special_tokens)
-
-        tok.cuts.encode = spy
-        try:
+        with tails_of(tok) as tails:
             for _ in range(30):
                 cache = EncodeCache(tok, min_chars=rng.choice([1, 8, 64]))
                 texts = _conversation(rng, specials, rng.randint(2, 8), rng.choice([8, 60]))
@@ -124,8 +135,6 @@ def test_extended_texts_get_the_ids_of_a_fresh_tokenization(tokenizers_with_cuts
                     want = tok.encode(text)
                     got = cache(text)
                     assert got == want, f"{name}: {text!r}: {first_diff(got, want)}"
-        finally:
-            del tok.cuts.encode
         assert len(tails) > 30, name  # ids reused, only the rest tokenized
 
 
@@ -262,16 +271,7 @@ def test_only_the_latest_kept_texts_are_compared_for_a_cut():
     start = "<|im_start|>system\n" + "x" * 100  # one start, then each chat its own
     chats = [f"{start} {words(300, rng)}<|im_end|>\n<|im_start|>user\n{words(50, rng)}<|im_end|>\n"
              for _ in range(4)]  # fmt: skip
-    tails = []
-    real = tok.cuts.encode
-
-    def spy(text, add_special_tokens=True):
-        if not add_special_tokens:
-            tails.append(text)
-        return real(text, add_special_tokens)
-
-    tok.cuts.encode = spy
-    try:
+    with tails_of(tok) as tails:
         cache = EncodeCache(tok, min_chars=64, candidates=2)
         for chat in chats:
             cache(chat)
@@ -281,8 +281,6 @@ def test_only_the_latest_kept_texts_are_compared_for_a_cut():
         assert cache(chats[3] + turn) == tok.encode(chats[3] + turn)
         # from the last line start (the user's words after "<|im_start|>user\n")
         assert tails == [chats[3][chats[3].rindex("user\n") + 5 :] + turn]
-    finally:
-        del tok.cuts.encode
 
 
 def _bpe_with(pre: str, nfc: bool = False) -> Tokenizer:
@@ -323,15 +321,7 @@ def test_questions_after_a_document_reuse_its_ids_up_to_a_line_start(tokenizers_
     rng = random.Random()
     for name, tok in tokenizers_with_line_cuts:
         assert tok.cuts is not None and tok.cuts.lines, name
-        tails = []
-
-        def spy(text, add_special_tokens=True, real=tok.cuts.encode, tails=tails):
-            if not add_special_tokens:
-                tails.append(text)
-            return real(text, add_special_tokens)
-
-        tok.cuts.encode = spy
-        try:
+        with tails_of(tok) as tails:
             for _ in range(6):
                 cache = EncodeCache(tok, min_chars=rng.choice([1, 64]))
                 doc = _document(rng, rng.randint(40, 120))
@@ -343,8 +333,6 @@ def test_questions_after_a_document_reuse_its_ids_up_to_a_line_start(tokenizers_
                 for text in (doc, doc[: rng.randint(1, len(doc))], doc[:5], doc[:1]):  # shorter
                     got, want = cache(text), tok.encode(text)
                     assert got == want, f"{name}: {first_diff(got, want)}"
-        finally:
-            del tok.cuts.encode
         # from a line start: the document's ids up to it reused, its last lines and the
         # question tokenized (a question may also cut within the document: then whole)
         assert len(tails) >= 12 and all(len(t) < 2000 for t in tails), name
