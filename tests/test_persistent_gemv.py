@@ -50,6 +50,10 @@ CASES = {
                                            prefetch_steps=1, groups=2)),
     "h128-bn8-g1": ((128, 256, 136), dict(block_n=8, block_k=128, num_stages=2,
                                           prefetch_steps=1, groups=1)),
+    # two-level barriers (groups of one program here: the group's last arrival counts it)
+    "h128-bn8-g1-sync4": ((128, 256, 136), dict(block_n=8, block_k=128, num_stages=2,
+                                                prefetch_steps=1, groups=1, balance=10,
+                                                sync_groups=4)),
 }  # fmt: skip
 
 
@@ -75,14 +79,18 @@ def _check(got, args, what: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, prefetch):
     """One program, each phase's tiles in turn; and each launch moves every barrier count
-    and the epoch on by one (the counters are never reset)."""
+    and the epoch on by one (the counters are never reset), and with two-level barriers its
+    group's counts too."""
     shape, tiles = CASES[case]
     args = _layer(*shape)
-    key = (torch.device(DEVICE), 1)
-    before = pg._SYNC[key].clone() if key in pg._SYNC else torch.zeros(4, dtype=torch.int32)
+    groups = tiles.get("sync_groups", 1)
+    key = (torch.device(DEVICE), 1, groups)
+    before = pg._SYNC[key].tolist() if key in pg._SYNC else [0] * (4 + 3 * groups)
     got = pg.layer_chain(*args, programs=1, prefetch=prefetch, **tiles)
     _check(got, args, f"{case} prefetch={prefetch}")
-    assert pg._SYNC[key].tolist() == (before.to(pg._SYNC[key].device) + 1).tolist()
+    # the three barriers and the epoch; with groups, group 0's three counts (its one program)
+    step = [1] * 4 + [int(groups > 1)] * 3 + [0] * (3 * groups - 3)
+    assert pg._SYNC[key].tolist() == [b + d for b, d in zip(before, step, strict=True)]
     assert pg.barrier_timeouts(DEVICE) == 0
 
 
@@ -104,6 +112,26 @@ def test_work_split_over_programs():
     _check(out, args, "9 programs")
     interpreted = DEVICE == "cpu"
     assert (timeouts > 0) if interpreted else (timeouts == 0), timeouts
+
+
+@pytest.mark.parametrize(
+    "outputs,gated,programs,block_n,balance,want",
+    [
+        (6144, False, 528, 8, 10, 4),  # Llama-3-8B's qkv: 768 8-row tiles, 8 or 4 an SM
+        (6144, False, 528, 8, 0, 8),  # balance off: block_n
+        (14336, True, 528, 8, 10, 8),  # gate_up: 3584 tiles, 27 or 28 an SM
+        (14336, True, 528, 16, 10, 8),  # 1792 16-row tiles: 12 or 16 an SM
+        (4096, False, 528, 16, 10, 8),  # o_proj, down: 512 8-row tiles, 3 or 4 an SM
+        (4096, False, 132, 16, 10, 16),  # 256 tiles on 132 programs: 1 or 2 an SM ...
+        (4096, False, 132, 16, 100, 16),  # ... balanced enough at 100%
+        (6144, False, 528, 8, 1, 4),  # never under min_rows (4)
+    ],
+)
+def test_phase_rows(outputs, gated, programs, block_n, balance, want):
+    """A phase's rows a tile: halved while the busiest SM has over (100 + balance)% of the
+    mean's tiles; min_rows is the floor."""
+    tiles = pg.ChainTiles(block_n=block_n, block_k=256, num_warps=1, groups=1, balance=balance)
+    assert pg.phase_rows(outputs, gated, programs, 132, tiles) == want
 
 
 def _bad(args: list, what: str) -> list:

@@ -192,38 +192,76 @@ def _store_tile(acc, tile, S, Y, Res, N, NI, BLOCK_N: tl.constexpr, EPI: tl.cons
 
 
 @triton.jit
-def _arrive(Counter):
-    """Arrive at a grid barrier (module doc); loads issued between this and ``_wait`` are in
-    flight during the wait."""
+def _arrive(Sync, b: tl.constexpr, epoch, SYNC_GROUPS: tl.constexpr):
+    """Arrive at grid barrier ``b`` (module doc); loads issued between this and ``_wait`` are
+    in flight during the wait. SYNC_GROUPS > 1: two levels, fewer arrivals on one address:
+    program ``p`` counts itself in its group's counter ``Sync[4 + 3 g + b]``, ``g = p %
+    SYNC_GROUPS`` (acq_rel: the group's last arrival has seen the others' releases), and the
+    group's last arrival counts the group in ``Sync[b]`` (release, cumulative over them)."""
     tl.debug_barrier()  # every thread's stores of the phase issued (CTA scope)
-    tl.atomic_add(Counter, 1, sem="release", scope="gpu")  # one thread: red.release.gpu
+    if SYNC_GROUPS == 1:
+        tl.atomic_add(Sync + b, 1, sem="release", scope="gpu")  # one thread: red.release.gpu
+    else:
+        pid, progs = tl.program_id(0), tl.num_programs(0)
+        g = pid % SYNC_GROUPS
+        size = (progs - g + SYNC_GROUPS - 1) // SYNC_GROUPS  # the group's programs
+        old = tl.atomic_add(Sync + 4 + 3 * g + b, 1, sem="acq_rel", scope="gpu")
+        if old == (epoch + 1) * size - 1:
+            tl.atomic_add(Sync + b, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _wait(Counter, target, Status, spin_limit, FENCE: tl.constexpr):
-    """Wait until every program has arrived (``Counter == target``): each thread re-reads
-    the count (volatile: from L2) until it is there or ``spin_limit`` reads have gone by (a
+def _wait(Counter, target, Status, spin_limit, FENCE: tl.constexpr, POLL1: tl.constexpr):
+    """Wait until every program (or group) has arrived (``Counter == target``): re-read the
+    count (volatile: from L2) until it is there or ``spin_limit`` reads have gone by (a
     timeout, which adds 1 to Status), then FENCE (on the GPU) ``fence.acq_rel.gpu``: with
-    the read before it, an acquire, so the thread's later loads see what the arrivals
-    released."""
-    seen = tl.load(Counter, volatile=True)
-    spins = tl.cast(0, tl.int32)
-    while (seen != target) & (spins < spin_limit):
+    the read before it, an acquire, so the later loads see what the arrivals released.
+    POLL1 (GPU only, with FENCE): thread 0 alone polls and fences (PTX), the others wait at
+    the CTA barrier after it (as cooperative groups' grid sync); else every thread polls."""
+    if POLL1:
+        seen = tl.inline_asm_elementwise(
+            """{
+            .reg .pred %pz, %pw;
+            .reg .b32 %tn, %tv;
+            mov.u32 $0, $2;
+            mov.u32 %tn, %tid.x;
+            setp.ne.u32 %pz, %tn, 0;
+            @%pz bra POLL_DONE_${:uid};
+            mov.u32 %tn, 0;
+            POLL_LOOP_${:uid}:
+            ld.relaxed.gpu.global.b32 %tv, [$1];
+            add.u32 %tn, %tn, 1;
+            setp.ne.u32 %pw, %tv, $2;
+            setp.lt.and.u32 %pw, %tn, $3, %pw;
+            @%pw bra POLL_LOOP_${:uid};
+            mov.u32 $0, %tv;
+            fence.acq_rel.gpu;
+            POLL_DONE_${:uid}:
+            }""",
+            "=r,l,r,r", [Counter, target, spin_limit], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+        if seen != target:  # thread 0's count (the others hold target)
+            tl.atomic_add(Status, 1)
+    else:
         seen = tl.load(Counter, volatile=True)
-        spins += 1
-    if seen != target:
-        tl.atomic_add(Status, 1)
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [seen],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+        spins = tl.cast(0, tl.int32)
+        while (seen != target) & (spins < spin_limit):
+            seen = tl.load(Counter, volatile=True)
+            spins += 1
+        if seen != target:
+            tl.atomic_add(Status, 1)
+        if FENCE:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [seen],
+                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
     tl.debug_barrier()
 
 
 @triton.jit
-def _phase(X, W, S, Y, Res, Sync, target, Status, spin_limit, N, NI, K: tl.constexpr,
+def _phase(X, W, S, Y, Res, Sync, epoch, target, Status, spin_limit, N, NI, K: tl.constexpr,
            BARRIER: tl.constexpr, EPI: tl.constexpr, X_CG: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-           PREFETCH: tl.constexpr, GROUPS: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
+           PREFETCH: tl.constexpr, GROUPS: tl.constexpr, FENCE: tl.constexpr,
+           SYNC_GROUPS: tl.constexpr, POLL1: tl.constexpr):  # fmt: skip
     """This program's tiles of one GEMV ``Y = epi(S * (W @ X))``, W [N, K] (gated: N = 2I);
     BARRIER >= 0: after grid barrier ``BARRIER``, PREFETCH K steps of the first tile loaded
     before its wait."""
@@ -238,11 +276,11 @@ def _phase(X, W, S, Y, Res, Sync, target, Status, spin_limit, N, NI, K: tl.const
     u0 = t0 * KS  # the first (tile, K step) unit
     rows = _tile_rows(NI, BLOCK_N, EPI).to(tl.int64)[:, None] * K  # [BN, 1]
     if BARRIER >= 0:
-        _arrive(Sync + BARRIER)
+        _arrive(Sync, BARRIER, epoch, SYNC_GROUPS)
         if PREFETCH > 0:  # in flight during the wait: [BN, PREFETCH BK], K steps 0.. of t0
             base = W + _tile_start(t0, N, NI, BLOCK_N, EPI).to(tl.int64) * K
             w_pre = tl.load(base + rows + tl.arange(0, PREFETCH * BLOCK_K)[None, :])
-        _wait(Sync + BARRIER, target, Status, spin_limit, FENCE)
+        _wait(Sync + BARRIER, target, Status, spin_limit, FENCE, POLL1)
         if PREFETCH > 0:
             acc = _dot_step(acc, w_pre, X, 0, X_CG, GROUPS)
             u0 += PREFETCH
@@ -284,35 +322,45 @@ def _layer_chain_kernel(
     Wgu, Sgu,  # [2I, H] ([gate; up]), [2I]
     Wd, Sd,  # [H, NI], [H]
     Qkv, R1, Hid, Out,  # [NQ], [H], [NI], [H] in X's dtype
-    Sync,  # [4] int32: arrivals at barriers 0-2, the epoch (module doc)
+    Sync,  # [4 + 3 SYNC_GROUPS] int32: arrivals at barriers 0-2, the epoch, groups' counts
     Status,  # [1] int32: waits that timed out
     spin_limit,
     NQ: tl.constexpr, H: tl.constexpr, NI: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,  # rows
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,  # K steps loaded before each wait (0: none)
     GROUPS: tl.constexpr,  # the tile's rows in this many batched dots (_dot_step)
     CHAIN: tl.constexpr = False,  # launched early (PDL): wait in-kernel for the layer before
     FENCE: tl.constexpr = True,  # the waits' acquire fence (PTX: not in the interpreter)
+    SYNC_GROUPS: tl.constexpr = 1,  # two-level barriers over this many groups (_arrive)
+    POLL1: tl.constexpr = False,  # one thread a program polls (_wait; PTX: GPU only)
 ):  # fmt: skip
     """One decode layer's four GEMVs (module doc), one program an SM, barriers between."""
     if CHAIN:
-        _chain_enter(Wqkv, NQ, H, BLOCK_N)
+        _chain_enter(Wqkv, NQ, H, BN_QKV)
     epoch = tl.load(Sync + 3, cache_modifier=".cg")
-    target = (epoch + 1) * tl.num_programs(0)  # every barrier's count when all arrived
+    if SYNC_GROUPS == 1:  # every barrier's count when all arrived
+        target = (epoch + 1) * tl.num_programs(0)
+    else:  # groups that have programs
+        target = (epoch + 1) * tl.minimum(tl.num_programs(0), SYNC_GROUPS)
     # a: qkv = S_qkv (Q_qkv @ x)
-    _phase(X, Wqkv, Sqkv, Qkv, X, Sync, target, Status, spin_limit, NQ, NI, H, -1, _PLAIN, False,
-           BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, GROUPS, FENCE)  # fmt: skip
+    _phase(X, Wqkv, Sqkv, Qkv, X, Sync, epoch, target, Status, spin_limit,
+           NQ, NI, H, -1, _PLAIN, False, BN_QKV, BLOCK_K, NUM_STAGES, PREFETCH,
+           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
     # c: r1 = x + S_o (Q_o @ qkv[:H])
-    _phase(Qkv, Wo, So, R1, X, Sync, target, Status, spin_limit, H, NI, H, 0, _RESIDUAL, True,
-           BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, GROUPS, FENCE)  # fmt: skip
+    _phase(Qkv, Wo, So, R1, X, Sync, epoch, target, Status, spin_limit,
+           H, NI, H, 0, _RESIDUAL, True, BN_O, BLOCK_K, NUM_STAGES, PREFETCH,
+           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
     if tl.program_id(0) == 0:  # past barrier 0: every program has read the epoch
         tl.store(Sync + 3, epoch + 1)
     # e: h = silu(g) u, [g; u] = S_gu (Q_gu @ r1)
-    _phase(R1, Wgu, Sgu, Hid, X, Sync, target, Status, spin_limit, 2 * NI, NI, H, 1, _GATED, True,
-           BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, GROUPS, FENCE)  # fmt: skip
+    _phase(R1, Wgu, Sgu, Hid, X, Sync, epoch, target, Status, spin_limit,
+           2 * NI, NI, H, 1, _GATED, True, BN_GU, BLOCK_K, NUM_STAGES, PREFETCH,
+           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
     # g: out = r1 + S_d (Q_d @ h)
-    _phase(Hid, Wd, Sd, Out, R1, Sync, target, Status, spin_limit, H, NI, NI, 2, _RESIDUAL, True,
-           BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, GROUPS, FENCE)  # fmt: skip
+    _phase(Hid, Wd, Sd, Out, R1, Sync, epoch, target, Status, spin_limit,
+           H, NI, NI, 2, _RESIDUAL, True, BN_D, BLOCK_K, NUM_STAGES, PREFETCH,
+           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
 
 
 # ---------------------------------------------------------------- launcher
@@ -322,7 +370,11 @@ def _layer_chain_kernel(
 class ChainTiles:
     """The kernel's tile: BLOCK_N weight rows x BLOCK_K columns a K step (diag: BLOCK_K / 8
     >= 16, the dot's K), warps, pipeline stages, the K steps prefetched before each wait (with
-    ``prefetch=True``), and the row groups of the dot (``_dot_step``; num_warps: one a warp)."""
+    ``prefetch=True``), and the row groups of the dot (``_dot_step``; num_warps: one a warp);
+    then ``balance``: 0, or a phase's rows a tile halved (down to ``min_rows``) while its
+    busiest SM has more than (100 + balance)% of the mean's weight bytes (``phase_rows``);
+    ``sync_groups``: the barriers' groups (``_arrive``); ``poll1``: one thread polls
+    (``_wait``)."""
 
     block_n: int = 16
     block_k: int = 1024
@@ -330,6 +382,9 @@ class ChainTiles:
     num_stages: int = 4
     prefetch_steps: int = 1
     groups: int = 4
+    balance: int = 0
+    sync_groups: int = 1
+    poll1: int = 0
 
     def __post_init__(self):
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.groups))
@@ -338,14 +393,38 @@ class ChainTiles:
                              f"(>= 128), groups {self.groups} must be powers of two")  # fmt: skip
         if self.num_warps < 1 or self.num_stages < 1 or self.prefetch_steps < 0:
             raise ValueError(f"bad tile {self}")
+        if self.balance < 0 or self.sync_groups < 1 or self.poll1 not in (0, 1):
+            raise ValueError(f"bad tile {self}")
+
+    @property
+    def min_rows(self) -> int:
+        return max(4, 2 * self.groups)
 
     @classmethod
     def parse(cls, text: str) -> ChainTiles:
-        """``BNxBKxWARPSxSTAGESxPREFETCHxGROUPS``, e.g. ``16x512x4x4x2x4``."""
+        """``BNxBKxWARPSxSTAGESxPREFETCHxGROUPS[xBALANCE[xSYNC_GROUPSxPOLL1]]``, e.g.
+        ``16x512x4x4x2x4`` or ``8x256x1x6x2x1x10x16x1``."""
         return cls(*(int(v) for v in text.split("x")))
 
 
-_SYNC: dict = {}  # (device, programs) -> Sync [4] int32 (module doc)
+def phase_rows(outputs: int, gated: bool, programs: int, sms: int, tiles: ChainTiles) -> int:
+    """A phase's rows a tile: ``tiles.block_n``, halved while ``tiles.balance`` is on and the
+    busiest SM (programs dealt to SMs in turn, ``p % sms``, as the launch places one wave) has
+    more than (100 + balance)% of the mean's tiles, down to ``tiles.min_rows``. ``outputs``:
+    the phase's output columns (gated: gate and up rows of the same outputs, BN / 2 each)."""
+    bn = tiles.block_n
+    while tiles.balance and bn > tiles.min_rows:
+        n_tiles = -(-outputs // (bn // 2 if gated else bn))
+        per_sm = [0] * min(sms, programs)
+        for p in range(programs):
+            per_sm[p % len(per_sm)] += (p + 1) * n_tiles // programs - p * n_tiles // programs
+        if max(per_sm) * len(per_sm) <= (1 + tiles.balance / 100) * n_tiles:
+            break
+        bn //= 2
+    return bn
+
+
+_SYNC: dict = {}  # (device, programs, sync groups) -> Sync [4 + 3 groups] int32 (module doc)
 _STATUS: dict = {}  # device -> [1] int32: barrier waits that timed out
 _RESIDENT: dict = {}  # launch key -> the compiled kernel's facts, its grid checked
 
@@ -467,11 +546,17 @@ def layer_chain(
         ((n,), x.dtype, x.device, True) for n in (nq, h, i, h)
     ]:
         raise ValueError(f"out must be contiguous {x.dtype} [{nq}], [{h}], [{i}], [{h}]")
-    sync = _buffer(_SYNC, (x.device, programs), 4, x.device)
+    groups = cfg.sync_groups
+    sync = _buffer(_SYNC, (x.device, programs, groups), 4 + 3 * groups, x.device)
     status = _buffer(_STATUS, x.device, 1, x.device)
-    consts = dict(NQ=nq, H=h, NI=i, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    sms = num_sms(x.device) if x.is_cuda else 1
+    rows = {f"BN_{name}": phase_rows(n, gated, programs, sms, cfg)
+            for name, n, gated in (("QKV", nq, False), ("O", h, False), ("GU", i, True),
+                                   ("D", h, False))}  # fmt: skip
+    consts = dict(NQ=nq, H=h, NI=i, **rows, BLOCK_K=cfg.block_k,
                   NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch_steps if prefetch else 0,
-                  GROUPS=cfg.groups, FENCE=x.is_cuda, num_warps=cfg.num_warps,
+                  GROUPS=cfg.groups, FENCE=x.is_cuda, SYNC_GROUPS=groups,
+                  POLL1=bool(cfg.poll1) and x.is_cuda, num_warps=cfg.num_warps,
                   **pdl_kwargs(x.device, chain))  # fmt: skip
     args = (x, *[t for pair in weights for t in pair], *outs, sync, status, spin_limit)
     _launch(args, programs, consts)
@@ -713,9 +798,10 @@ def sm90_report(tiles: list[ChainTiles], nq: int, h: int, i: int) -> None:
     print(json.dumps({"variant": "engine gemv-fp8-channel-m1-diag", **engine}))
     for t in tiles:
         for pre, chain in ((t.prefetch_steps, False), (0, False), (t.prefetch_steps, True)):
-            consts = dict(NQ=nq, H=h, NI=i, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                          NUM_STAGES=t.num_stages, PREFETCH=pre, GROUPS=t.groups,
-                          CHAIN=chain)  # fmt: skip
+            consts = dict(NQ=nq, H=h, NI=i, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
+                          PREFETCH=pre, GROUPS=t.groups, CHAIN=chain, SYNC_GROUPS=t.sync_groups,
+                          POLL1=bool(t.poll1), **{f"BN_{n}": t.block_n for n in
+                                                  ("QKV", "O", "GU", "D")})  # fmt: skip
             k = s._compile(_layer_chain_kernel, ptrs, consts, num_warps=t.num_warps,
                            num_stages=t.num_stages)  # fmt: skip
             per_thread = t.block_n * t.block_k // (32 * t.num_warps)
