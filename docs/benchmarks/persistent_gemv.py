@@ -261,7 +261,8 @@ def _phase(X, W, S, Y, Res, Sync, epoch, target, Status, spin_limit, N, NI, K: t
            BARRIER: tl.constexpr, EPI: tl.constexpr, X_CG: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
            PREFETCH: tl.constexpr, GROUPS: tl.constexpr, FENCE: tl.constexpr,
-           SYNC_GROUPS: tl.constexpr, POLL1: tl.constexpr):  # fmt: skip
+           SYNC_GROUPS: tl.constexpr, POLL1: tl.constexpr,
+           L2_STEPS: tl.constexpr):  # fmt: skip
     """This program's tiles of one GEMV ``Y = epi(S * (W @ X))``, W [N, K] (gated: N = 2I);
     BARRIER >= 0: after grid barrier ``BARRIER``, PREFETCH K steps of the first tile loaded
     before its wait."""
@@ -277,6 +278,12 @@ def _phase(X, W, S, Y, Res, Sync, epoch, target, Status, spin_limit, N, NI, K: t
     rows = _tile_rows(NI, BLOCK_N, EPI).to(tl.int64)[:, None] * K  # [BN, 1]
     if BARRIER >= 0:
         _arrive(Sync, BARRIER, epoch, SYNC_GROUPS)
+        if L2_STEPS > 0:  # GPU only: the next L2_STEPS K steps of t0 into L2 (bulk, a row each)
+            if t0 < t1:
+                base = W + _tile_start(t0, N, NI, BLOCK_N, EPI).to(tl.int64) * K
+                rows1 = _tile_rows(NI, BLOCK_N, EPI).to(tl.int64) * K
+                _prefetch_rows(base + rows1 + PREFETCH * BLOCK_K,
+                               tl.full([BLOCK_N], L2_STEPS * BLOCK_K, tl.int32))  # fmt: skip
         if PREFETCH > 0:  # in flight during the wait: [BN, PREFETCH BK], K steps 0.. of t0
             base = W + _tile_start(t0, N, NI, BLOCK_N, EPI).to(tl.int64) * K
             w_pre = tl.load(base + rows + tl.arange(0, PREFETCH * BLOCK_K)[None, :])
@@ -334,6 +341,7 @@ def _layer_chain_kernel(
     FENCE: tl.constexpr = True,  # the waits' acquire fence (PTX: not in the interpreter)
     SYNC_GROUPS: tl.constexpr = 1,  # two-level barriers over this many groups (_arrive)
     POLL1: tl.constexpr = False,  # one thread a program polls (_wait; PTX: GPU only)
+    L2_STEPS: tl.constexpr = 0,  # K steps of a phase's first tile asked of L2 at each arrival
 ):  # fmt: skip
     """One decode layer's four GEMVs (module doc), one program an SM, barriers between."""
     if CHAIN:
@@ -346,21 +354,21 @@ def _layer_chain_kernel(
     # a: qkv = S_qkv (Q_qkv @ x)
     _phase(X, Wqkv, Sqkv, Qkv, X, Sync, epoch, target, Status, spin_limit,
            NQ, NI, H, -1, _PLAIN, False, BN_QKV, BLOCK_K, NUM_STAGES, PREFETCH,
-           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
+           GROUPS, FENCE, SYNC_GROUPS, POLL1, L2_STEPS)  # fmt: skip
     # c: r1 = x + S_o (Q_o @ qkv[:H])
     _phase(Qkv, Wo, So, R1, X, Sync, epoch, target, Status, spin_limit,
            H, NI, H, 0, _RESIDUAL, True, BN_O, BLOCK_K, NUM_STAGES, PREFETCH,
-           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
+           GROUPS, FENCE, SYNC_GROUPS, POLL1, L2_STEPS)  # fmt: skip
     if tl.program_id(0) == 0:  # past barrier 0: every program has read the epoch
         tl.store(Sync + 3, epoch + 1)
     # e: h = silu(g) u, [g; u] = S_gu (Q_gu @ r1)
     _phase(R1, Wgu, Sgu, Hid, X, Sync, epoch, target, Status, spin_limit,
            2 * NI, NI, H, 1, _GATED, True, BN_GU, BLOCK_K, NUM_STAGES, PREFETCH,
-           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
+           GROUPS, FENCE, SYNC_GROUPS, POLL1, L2_STEPS)  # fmt: skip
     # g: out = r1 + S_d (Q_d @ h)
     _phase(Hid, Wd, Sd, Out, R1, Sync, epoch, target, Status, spin_limit,
            H, NI, NI, 2, _RESIDUAL, True, BN_D, BLOCK_K, NUM_STAGES, PREFETCH,
-           GROUPS, FENCE, SYNC_GROUPS, POLL1)  # fmt: skip
+           GROUPS, FENCE, SYNC_GROUPS, POLL1, L2_STEPS)  # fmt: skip
 
 
 # ---------------------------------------------------------------- launcher
@@ -374,7 +382,8 @@ class ChainTiles:
     then ``balance``: 0, or a phase's rows a tile halved (down to ``min_rows``) while its
     busiest SM has more than (100 + balance)% of the mean's weight bytes (``phase_rows``);
     ``sync_groups``: the barriers' groups (``_arrive``); ``poll1``: one thread polls
-    (``_wait``)."""
+    (``_wait``); ``l2_steps``: at each arrival, the K steps after the prefetched ones of the
+    program's first tile of the next phase asked of L2 (sm_90's bulk prefetch; GPU only)."""
 
     block_n: int = 16
     block_k: int = 1024
@@ -385,6 +394,7 @@ class ChainTiles:
     balance: int = 0
     sync_groups: int = 1
     poll1: int = 0
+    l2_steps: int = 0
 
     def __post_init__(self):
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.groups))
@@ -393,7 +403,7 @@ class ChainTiles:
                              f"(>= 128), groups {self.groups} must be powers of two")  # fmt: skip
         if self.num_warps < 1 or self.num_stages < 1 or self.prefetch_steps < 0:
             raise ValueError(f"bad tile {self}")
-        if self.balance < 0 or self.sync_groups < 1 or self.poll1 not in (0, 1):
+        if min(self.balance, self.l2_steps) < 0 or self.sync_groups < 1 or self.poll1 not in (0, 1):
             raise ValueError(f"bad tile {self}")
 
     @property
@@ -402,8 +412,8 @@ class ChainTiles:
 
     @classmethod
     def parse(cls, text: str) -> ChainTiles:
-        """``BNxBKxWARPSxSTAGESxPREFETCHxGROUPS[xBALANCE[xSYNC_GROUPSxPOLL1]]``, e.g.
-        ``16x512x4x4x2x4`` or ``8x256x1x6x2x1x10x16x1``."""
+        """``BNxBKxWARPSxSTAGESxPREFETCHxGROUPS[xBALANCE[xSYNC_GROUPSxPOLL1[xL2_STEPS]]]``,
+        e.g. ``16x512x4x4x2x4`` or ``8x256x1x6x2x1x10x16x1``."""
         return cls(*(int(v) for v in text.split("x")))
 
 
@@ -475,8 +485,9 @@ def _check(x, weights, tiles: ChainTiles) -> tuple[int, int, int]:
         raise ValueError(f"H {h} and 2I {2 * i} must be at least block_n {tiles.block_n}")
     if h % tiles.block_k or i % tiles.block_k or i == 0:
         raise ValueError(f"H {h} and I {i} must be multiples of block_k {tiles.block_k}")
-    if tiles.prefetch_steps > min(h, i) // tiles.block_k:
-        raise ValueError(f"prefetch_steps {tiles.prefetch_steps} > the K steps of a tile")
+    if tiles.prefetch_steps + tiles.l2_steps > min(h, i) // tiles.block_k:
+        raise ValueError(f"prefetch_steps {tiles.prefetch_steps} + l2_steps {tiles.l2_steps} "
+                         "> the K steps of a tile")  # fmt: skip
     return nq, h, i
 
 
@@ -556,7 +567,8 @@ def layer_chain(
     consts = dict(NQ=nq, H=h, NI=i, **rows, BLOCK_K=cfg.block_k,
                   NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch_steps if prefetch else 0,
                   GROUPS=cfg.groups, FENCE=x.is_cuda, SYNC_GROUPS=groups,
-                  POLL1=bool(cfg.poll1) and x.is_cuda, num_warps=cfg.num_warps,
+                  POLL1=bool(cfg.poll1) and x.is_cuda, L2_STEPS=cfg.l2_steps if x.is_cuda else 0,
+                  num_warps=cfg.num_warps,
                   **pdl_kwargs(x.device, chain))  # fmt: skip
     args = (x, *[t for pair in weights for t in pair], *outs, sync, status, spin_limit)
     _launch(args, programs, consts)
@@ -800,7 +812,7 @@ def sm90_report(tiles: list[ChainTiles], nq: int, h: int, i: int) -> None:
         for pre, chain in ((t.prefetch_steps, False), (0, False), (t.prefetch_steps, True)):
             consts = dict(NQ=nq, H=h, NI=i, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
                           PREFETCH=pre, GROUPS=t.groups, CHAIN=chain, SYNC_GROUPS=t.sync_groups,
-                          POLL1=bool(t.poll1), **{f"BN_{n}": t.block_n for n in
+                          POLL1=bool(t.poll1), L2_STEPS=t.l2_steps, **{f"BN_{n}": t.block_n for n in
                                                   ("QKV", "O", "GU", "D")})  # fmt: skip
             k = s._compile(_layer_chain_kernel, ptrs, consts, num_warps=t.num_warps,
                            num_stages=t.num_stages)  # fmt: skip
