@@ -3,7 +3,8 @@
 #   make test     the test suite
 # Both create .venv and install into it once (again only when pyproject.toml or the install
 # script change). Options: make serve PORT=8080 HOST=0.0.0.0 MODEL=path/to/model ARGS="..."
-# (more `flashserve serve` options); make test ARGS="tests/test_server.py -x" (pytest arguments).
+# (more `flashserve serve` options); make test ARGS="tests/test_server.py -x" (pytest arguments;
+# TEST_WORKERS=0 runs them in this process, without pytest-xdist's workers).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,6 +12,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
 ARGS ?=
+# pytest-xdist workers of `make test`: two keep a 2-core machine (CI's) busy while one test
+# waits on a server or a subprocess; tests sharing a costly fixture name one xdist_group
+TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 INSTALL := PIP="$(BIN)/python -m pip" sh docker/install.sh --editable
@@ -21,7 +25,7 @@ serve: $(VENV)/.installed
 	$(BIN)/flashserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 # the CUDA-only tests (skipped by `make test` on a machine without a GPU)
 test-gpu: $(VENV)/.installed-test

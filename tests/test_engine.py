@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
+from model_utils import HF_DEFAULT_MODEL
 
 from flashserve.config import EngineConfig
 from flashserve.engine.llm_engine import LLM
-from flashserve.loaders.load import default_model_path
 from flashserve.sampling.params import SamplingParams
 from kernels.gemv import rows_compiled_apart
 
@@ -21,25 +21,16 @@ def llm():
     return LLM(EngineConfig(max_num_seqs=16))
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    )
-    return model.eval()
-
-
 def _chat_ids(llm: LLM, messages=QUESTION) -> list[int]:
     return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
 
 
-def test_greedy_matches_transformers_generate(llm, hf_model):
+@HF_DEFAULT_MODEL
+def test_greedy_matches_transformers_generate(llm, hf_default_model):
     ids = _chat_ids(llm)
     ours = llm.generate([ids], SamplingParams(max_new_tokens=32, temperature=0))[0]
     with torch.no_grad():
-        hf = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+        hf = hf_default_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
     expected = hf[0, len(ids) :].tolist()
     assert ours.token_ids == expected, f"ours {ours.token_ids}\nhf   {expected}"
     assert "Paris" in ours.text

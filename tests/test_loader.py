@@ -14,7 +14,16 @@ import pytest
 import torch
 import transformers
 from gguf_writer import add_tokenizer, llamacpp_permute
-from model_utils import LLAMA3_ROPE, TINY, assert_close, hf_logits, make_hf, randomize, run_prompts
+from model_utils import (
+    HF_DEFAULT_MODEL,
+    LLAMA3_ROPE,
+    TINY,
+    assert_close,
+    hf_logits,
+    make_hf,
+    randomize,
+    run_prompts,
+)
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
@@ -297,24 +306,20 @@ def test_unpermute_inverts_llamacpp_permute():
 
 
 @pytest.fixture(scope="module")
-def default_models():
-    """(ours, transformers') SmolLM2-135M-Instruct from the packaged GGUF file, fp32."""
-    path = default_model_path()
-    ours = load_model(None, "cpu", torch.float32, "torch")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return ours, ref
+def default_model():
+    """Ours: SmolLM2-135M-Instruct from the packaged GGUF file, fp32."""
+    return load_model(None, "cpu", torch.float32, "torch")
 
 
-def test_default_model_logits_match_transformers(default_models):
-    ours, ref = default_models
+@HF_DEFAULT_MODEL
+def test_default_model_logits_match_transformers(default_model, hf_default_model):
+    ours, ref = default_model, hf_default_model
     prompt = torch.randint(0, ours.config.vocab_size, (40,)).tolist()
     assert_close(run_prompts(ours.model, [prompt]), hf_logits(ref, [prompt]), 1e-4)
 
 
-def test_default_model_config_and_tokenizer(default_models):
-    ours, _ = default_models
+def test_default_model_config_and_tokenizer(default_model):
+    ours = default_model
     c = ours.config
     shape = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads)
     assert shape == (30, 576, 9, 3) and (c.head_dim, c.vocab_size) == (64, 49152)

@@ -141,11 +141,14 @@ def test_sdpa_path_in_a_mixed_step():
     out = torch.full_like(q, float("nan"))
     ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.125, out=out)
     explicit, _ = ref.prefill_attention(q, kp, vp, cu, lens, tables, 0.125, return_lse=True)
+    # two float32 orders of the same sums (SDPA's blocks, the explicit softmax) over up to
+    # 1,000 keys: 1.04e-6 seen (FLASHSERVE_TEST_SEED unknown, two pytest-xdist workers)
+    tol = 4e-6
     for b in range(len(q_lens)):
         rows = slice(cu[b].item(), cu[b + 1].item())
-        assert_close(out[rows], explicit[rows], 1e-6, f"sequence {b}")
+        assert_close(out[rows], explicit[rows], tol, f"sequence {b}")
     dec = ref.decode_attention(q[:1], kp, vp, lens[:1], tables[:1], 0.125)
-    assert_close(dec, explicit[:1], 1e-6, "decode")
+    assert_close(dec, explicit[:1], tol, "decode")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -36,7 +36,9 @@ from model_utils import TINY
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from flashserve.cli.main import main
 from flashserve.loaders.errors import WeightsError
+from flashserve.loaders.gguf import open_file as open_gguf
 from flashserve.loaders.gguf_header import read_header as read_gguf_header
 from flashserve.loaders.load import load_model
 from flashserve.loaders.safetensors_header import read_header
@@ -160,6 +162,25 @@ def _run(*args: str, module: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+def _generate(capsys, *args: str, own_process: bool) -> subprocess.CompletedProcess:
+    """``flashserve generate ARGS``: in a process of its own (the exit status and stderr a
+    shell sees), or through the command line's ``main`` in this process (the same code, less a
+    Python start and a torch import; an exception it lets out fails the test as a traceback
+    would)."""
+    if own_process:
+        return _run("generate", *args, module="flashserve")
+    capsys.readouterr()
+    status = main(["generate", *args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["generate", *args], status, captured.out, captured.err)
+
+
+# the cases whose ``generate`` also runs in a process of its own: one of each way a load fails
+# (a header, a shard, a copied tensor, the tokenizer); the others run ``main`` here
+OWN_PROCESS = {"truncated-data", "shard-missing", "wrong-shape", "tokenizer-truncated",
+               "cut-in-data"}  # fmt: skip
+
+
 def _the_error_line(r: subprocess.CompletedProcess, command: str) -> str:
     """Exit status 1, no traceback, and one line on stderr besides log records."""
     assert "Traceback" not in r.stderr, r.stderr
@@ -171,10 +192,11 @@ def _the_error_line(r: subprocess.CompletedProcess, command: str) -> str:
 
 
 @pytest.mark.parametrize("broken", list(CASES), indirect=True)
-def test_generate_names_the_file_and_the_problem(broken):
+def test_generate_names_the_file_and_the_problem(broken, capsys, request):
     path, file, problem = broken
-    line = _the_error_line(_run("generate", "w5 w6", "--model", str(path),
-                                module="flashserve"), "generate")  # fmt: skip
+    own = request.node.callspec.params["broken"] in OWN_PROCESS
+    line = _the_error_line(_generate(capsys, "w5 w6", "--model", str(path), own_process=own),
+                           "generate")  # fmt: skip
     assert f": {file}" in line and re.search(problem, line), line
     assert line.count(str(path)) == 1, f"the path said twice: {line}"
 
@@ -380,9 +402,10 @@ def test_load_model_names_the_gguf_file_and_the_problem(broken_gguf):
 @pytest.mark.parametrize("broken_gguf", ["cut-in-metadata", "cut-in-data", "not-gguf",
                                          "unreadable-type", "wrong-shape"],
                          indirect=True)  # fmt: skip
-def test_generate_names_the_gguf_file_and_the_problem(broken_gguf):
+def test_generate_names_the_gguf_file_and_the_problem(broken_gguf, capsys, request):
     file, problem = broken_gguf
-    line = _the_error_line(_run("generate", "hi", "--model", str(file), module="flashserve"),
+    own = request.node.callspec.params["broken_gguf"] in OWN_PROCESS
+    line = _the_error_line(_generate(capsys, "hi", "--model", str(file), own_process=own),
                            "generate")  # fmt: skip
     assert f": {file}: " in line and re.search(problem, line), line
 
@@ -406,6 +429,9 @@ def test_the_unbroken_gguf_file_loads(tmp_path):
     ]
     assert header.metadata == {k: f.contents() for k, f in reader.fields.items()
                                if not k.startswith("GGUF.")}  # fmt: skip
+    mapped = open_gguf(file)  # the loader's own view of each tensor's bytes
+    for ours, theirs in zip(mapped.tensors, reader.tensors, strict=True):
+        assert mapped.raw(ours).tobytes() == theirs.data.tobytes(), ours.name
     load_model(str(file), "cpu", torch.float32, "torch")
 
 

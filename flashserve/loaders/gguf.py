@@ -15,8 +15,11 @@ undoing what llama.cpp's converter did to it:
 
 from __future__ import annotations
 
+import math
+import mmap
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,8 @@ import gguf
 import numpy as np
 import torch
 
-from flashserve.loaders.errors import WeightsError
 from flashserve.loaders.gguf_config import ROPE_TENSORS, hf_config_dict
+from flashserve.loaders.gguf_header import Header, TensorInfo, read_header
 from flashserve.models.config import ModelConfig
 
 _GLOBAL_NAMES = {
@@ -63,31 +66,56 @@ _UNIT_OFFSET_NORMS = ("gemma2", "gemma3")  # archs whose files store 1 + w for e
 _QK_NAMES = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")  # llama permutes
 
 
-def open_reader(path: Path) -> gguf.GGUFReader:
-    """``gguf.GGUFReader`` on a file whose header ``gguf_header.read_header`` has checked.
-    What the reader still refuses (a field of a type it does not expect, say) is a
-    WeightsError naming the file, not one of the assorted exceptions it raises."""
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # ValueError, KeyError, IndexError...: all mean a bad file here
-        raise WeightsError(path, f"unreadable by the gguf package: {exc}") from exc
+@dataclass(frozen=True)
+class GGUFFile:
+    """A GGUF file whose header ``gguf_header.read_header`` has read and checked (every
+    tensor's bytes within the file, of a type we can dequantize), its data memory-mapped.
+
+    ``gguf.GGUFReader`` is not used: it builds a numpy view of every metadata item (6 s for
+    the default model's 49K tokens and merges), where the header we read anyway has them."""
+
+    path: Path
+    header: Header
+    data: mmap.mmap
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.header.metadata
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return self.header.tensors
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata.get("general.architecture", "")
+
+    def raw(self, tensor: TensorInfo) -> np.ndarray:
+        """``tensor``'s bytes, uint8 ``[rows, bytes a row]`` (a row: ggml's innermost
+        dimension), read-only, as ``gguf.quants.dequantize`` takes them."""
+        rows = math.prod(tensor.shape[1:])
+        at = self.header.data_offset + tensor.offset
+        return np.frombuffer(self.data, np.uint8, tensor.nbytes, at).reshape(rows, -1)
 
 
-def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Every key/value of the file as ``{key: python value}``."""
-    return {key: field.contents() for key, field in reader.fields.items()}
+def open_file(path: Path) -> GGUFFile:
+    """``path`` with its header read and checked (WeightsError naming the file otherwise)."""
+    header = read_header(path)
+    with path.open("rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays valid once f closes
+    return GGUFFile(path, header, data)
 
 
-def read_hf_config(reader: gguf.GGUFReader, meta: dict[str, Any]) -> dict[str, Any]:
+def read_hf_config(file: GGUFFile) -> dict[str, Any]:
     """The Hugging Face config dict (transformers 5.x layout) the file was converted from."""
-    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
-    rope = [t for t in reader.tensors if t.name in ROPE_TENSORS]
-    rope = {t.name: _dequantize(t).reshape(-1).tolist() for t in rope}
-    return hf_config_dict(meta, shapes, rope)
+    shapes = {t.name: t.shape for t in file.tensors}
+    rope = {t.name: _dequantize(file, t).reshape(-1).tolist()
+            for t in file.tensors if t.name in ROPE_TENSORS}  # fmt: skip
+    return hf_config_dict(file.metadata, shapes, rope)
 
 
-def read_config(reader: gguf.GGUFReader, meta: dict[str, Any], name: str) -> ModelConfig:
-    return ModelConfig.from_hf_dict(read_hf_config(reader, meta), name=name)
+def read_config(file: GGUFFile, name: str) -> ModelConfig:
+    return ModelConfig.from_hf_dict(read_hf_config(file), name=name)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -103,30 +131,24 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     return gguf_name
 
 
-def iter_weights(
-    reader: gguf.GGUFReader, config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor dequantized to float32 (one at a time), with its Hugging Face name, in
     Hugging Face's layout. ``config`` gives the head counts that un-permute Q/K (a transformers
     config built from ``read_hf_config`` serves too)."""
-    arch = _architecture(reader)
-    for tensor in reader.tensors:
+    arch = file.architecture
+    for tensor in file.tensors:
         if tensor.name in ROPE_TENSORS:
             continue  # read into the config
-        weight = torch.from_numpy(_dequantize(tensor))  # [rows, cols] or [n]
+        weight = torch.from_numpy(_dequantize(file, tensor))  # [rows, cols] or [n]
         name = hf_name(tensor.name, arch)
         yield name, _to_hf_layout(arch, name, weight, config)
 
 
-def _architecture(reader: gguf.GGUFReader) -> str:
-    field = reader.fields.get("general.architecture")
-    return field.contents() if field is not None else ""
-
-
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
-    """float32, numpy's (row-major) shape, i.e. ggml's dimensions reversed."""
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    data = data.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+def _dequantize(file: GGUFFile, tensor: TensorInfo) -> np.ndarray:
+    """float32, numpy's (row-major) shape, i.e. ggml's dimensions reversed, writable (a
+    float32 tensor's view of the read-only map is copied)."""
+    data = gguf.quants.dequantize(file.raw(tensor), tensor.type)
+    data = data.reshape(tuple(reversed(tensor.shape)))
     return data if data.flags.writeable else data.copy()
 
 

@@ -28,7 +28,6 @@ import torch
 from flashserve.loaders import gguf as gguf_source
 from flashserve.loaders import hf as hf_source
 from flashserve.loaders.errors import WeightsError
-from flashserve.loaders.gguf_header import read_header as read_gguf_header
 from flashserve.models import DecoderForCausalLM
 from flashserve.models.attention import load_backend
 from flashserve.models.config import ModelConfig
@@ -112,8 +111,7 @@ def read_model_config(spec: str | None) -> ModelConfig:
     if path.is_dir():
         return hf_source.read_config(path)
     if path.suffix == ".gguf" and path.is_file():
-        header = read_gguf_header(path)
-        return gguf_source.read_config(gguf_source.open_reader(path), header.metadata, path.stem)
+        return gguf_source.read_config(gguf_source.open_file(path), path.stem)
     raise FileNotFoundError(
         f"model {spec!r} is not a Hugging Face directory, an existing .gguf file, or dummy:<preset>"
     )
@@ -210,15 +208,14 @@ def _load_hf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
 
 def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
                fp8: Fp8Weights | None, tp: TPComm) -> LoadedModel:  # fmt: skip
-    header = read_gguf_header(path)  # the whole header checked, every tensor there: no data read
-    reader = gguf_source.open_reader(path)
-    config = gguf_source.read_config(reader, header.metadata, name=path.stem)
+    file = gguf_source.open_file(path)  # the whole header checked, every tensor there
+    config = gguf_source.read_config(file, name=path.stem)
     try:  # before the weights: fail fast
-        tokenizer = Tokenizer.from_gguf(header.metadata)
+        tokenizer = Tokenizer.from_gguf(file.metadata)
     except ValueError as exc:  # the file's tokenizer.ggml.* keys, missing or inconsistent
         raise WeightsError(path, str(exc)) from exc
     model = _build(config, backend, device, dtype, fp8, path, tp)
-    weights = gguf_source.iter_weights(reader, config)
+    weights = gguf_source.iter_weights(file, config)
     if tp.size > 1:
         weights = ((name, model.tensor_shard(name, tuple(w.shape), w.dtype).take(w))
                    for name, w in weights)  # fmt: skip

@@ -287,7 +287,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, fp8: str | None = None,
                  *, tp: TPComm = SINGLE):  # fmt: skip
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # a weight given: no random init (on the meta device, nn.Embedding's normal_ imports
+        # torch._dynamo, 2 s); build_model allocates it, the checkpoint fills it
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, i, fp8, tp=tp) for i in range(config.num_hidden_layers)
         )
