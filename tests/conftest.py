@@ -19,6 +19,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# pytest-xdist's workers (``make test`` runs two) share the machine's cores: each worker's torch,
+# and through OMP_NUM_THREADS the servers and scripts it starts, take their share (at two threads
+# a process on two cores the server test files took 2.5-4x their time in one process).
+if _workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    _threads = max(1, len(os.sched_getaffinity(0)) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 RUN_SEED = int(os.environ.get("FLASHSERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 # pytest-xdist's workers (``make test`` runs two) start from this process's environment: one
 # seed for the whole run, the one the header prints
