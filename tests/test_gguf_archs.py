@@ -146,10 +146,6 @@ def case_file(tmp_path, request):
     return hf, path, qtype
 
 
-def read_file(path) -> gguf_source.GGUFFile:
-    return gguf_source.open_file(path)
-
-
 def hf_from_dict(d: dict):
     return transformers.AutoConfig.for_model(**d)
 
@@ -160,7 +156,7 @@ def hf_from_dict(d: dict):
 @pytest.mark.parametrize("case_file", FILES[: len(CASES)], ids=list(CASES), indirect=True)
 def test_config_dict_means_the_original_config(case_file):
     hf, path, _ = case_file
-    ours = gguf_source.read_hf_config(read_file(path))
+    ours = gguf_source.read_hf_config(gguf_source.open_file(path))
     assert ours["model_type"] == hf.config.model_type
     mine = transformers.AutoConfig.for_model(**ours).to_dict()
     theirs = hf.config.to_dict()
@@ -175,7 +171,7 @@ def test_config_dict_means_the_original_config(case_file):
 @pytest.mark.parametrize("case_file", FILES[: len(CASES)], ids=list(CASES), indirect=True)
 def test_model_config_equals_the_original(case_file):
     hf, path, _ = case_file
-    ours = gguf_source.read_config(read_file(path), name="tiny")
+    ours = gguf_source.read_config(gguf_source.open_file(path), name="tiny")
     assert ours == ModelConfig.from_hf_dict(hf.config.to_dict(), name="tiny")
 
 
@@ -198,7 +194,7 @@ def expected_state_dict(hf, qtype: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("case_file", FILES, ids=FILE_IDS, indirect=True)
 def test_tensors_come_back_in_hugging_face_layout(case_file):
     hf, path, qtype = case_file
-    file = read_file(path)
+    file = gguf_source.open_file(path)
     config = hf_from_dict(gguf_source.read_hf_config(file))
     ours = dict(gguf_source.iter_weights(file, config))
     want = expected_state_dict(hf, qtype)
@@ -216,7 +212,7 @@ def test_transformers_from_the_file_matches_the_original(case_file):
     """transformers' own model, built from the file's config dict and tensors, gives the
     original's logits: the translation is complete, with nothing left to our model."""
     hf, path, qtype = case_file
-    file = read_file(path)
+    file = gguf_source.open_file(path)
     config = hf_from_dict(gguf_source.read_hf_config(file))
     rebuilt = transformers.AutoModelForCausalLM.from_config(config).eval()
     missing, unexpected = rebuilt.load_state_dict(

@@ -74,7 +74,6 @@ class GGUFFile:
     ``gguf.GGUFReader`` is not used: it builds a numpy view of every metadata item (6 s for
     the default model's 49K tokens and merges), where the header we read anyway has them."""
 
-    path: Path
     header: Header
     data: mmap.mmap
 
@@ -103,7 +102,7 @@ def open_file(path: Path) -> GGUFFile:
     header = read_header(path)
     with path.open("rb") as f:
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays valid once f closes
-    return GGUFFile(path, header, data)
+    return GGUFFile(header, data)
 
 
 def read_hf_config(file: GGUFFile) -> dict[str, Any]:
