@@ -13,7 +13,9 @@ PORT ?= 8000
 MODEL ?=
 ARGS ?=
 # pytest-xdist workers of `make test`: two keep a 2-core machine (CI's) busy while one test
-# waits on a server or a subprocess; tests sharing a costly fixture name one xdist_group
+# waits on a server or a subprocess. Each worker takes whole files (--dist loadfile), so a
+# file's module fixtures (a server, a model, an sm_90 compile) are built once a run; xdist's
+# loadgroup cannot group with pytest 9.2 (it renames item._nodeid, which 9.2 no longer reads)
 TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
@@ -25,7 +27,7 @@ serve: $(VENV)/.installed
 	$(BIN)/flashserve serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # the CUDA-only tests (skipped by `make test` on a machine without a GPU)
 test-gpu: $(VENV)/.installed-test

@@ -53,19 +53,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def hf_default_model():
-    """transformers' own SmolLM2-135M-Instruct from the packaged GGUF file, float32, eval
-    mode: the reference our loader and engine are held to (30 s on two cores: transformers
-    reads the file's metadata twice). Tests that take it are marked
-    ``model_utils.HF_DEFAULT_MODEL``."""
-    transformers = pytest.importorskip("transformers")
-    from flashserve.loaders.load import default_model_path
-
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()

@@ -7,7 +7,6 @@ build the per-layer paged KV caches and a step's ``AttentionMetadata`` by hand.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 
@@ -117,10 +116,6 @@ def run_prompts(
 
 
 # ---- tiny Hugging Face reference models -----------------------------------------------
-
-# the tests that take conftest's ``hf_default_model``: pytest-xdist puts them on one worker
-# (``make test`` runs ``--dist loadgroup``), which then loads the reference once
-HF_DEFAULT_MODEL = pytest.mark.xdist_group("hf_default_model")
 
 TINY = dict(
     vocab_size=512,
