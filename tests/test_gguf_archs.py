@@ -110,8 +110,10 @@ CASES = {
     ),
     "phi3-window": (transformers.Phi3Config, {"sliding_window": WINDOW}),
 }
-# (case, file type): every case in F32, two in Q8_0
-FILES = [(c, "F32") for c in CASES] + [("qwen3-yarn", "Q8_0"), ("phi3-window", "Q8_0")]
+# (case, file type): every case in F32, two in Q8_0 (unpacked by torch: gguf_quants), one in
+# MXFP4 (a type left to the gguf package's numpy)
+FILES = [(c, "F32") for c in CASES] + [("qwen3-yarn", "Q8_0"), ("phi3-window", "Q8_0"),
+                                       ("qwen3-yarn", "MXFP4")]  # fmt: skip
 FILE_IDS = [f"{c}-{q}" for c, q in FILES]
 # from_hf_dict's view of the transformers config and ours must agree on these; the rest of
 # to_dict() is bookkeeping (architectures, dtype, ...) that a GGUF file does not carry

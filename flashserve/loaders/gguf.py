@@ -3,8 +3,8 @@ converted from.
 
 The metadata becomes a Hugging Face config dict (``gguf_config``) and then a ``ModelConfig``
 through ``ModelConfig.from_hf_dict``, the one way in for every architecture. Each tensor is
-dequantized to float32, renamed to its Hugging Face name and put back in Hugging Face's layout,
-undoing what llama.cpp's converter did to it:
+dequantized to float32 on the device it goes to (``gguf_quants``), renamed to its Hugging Face
+name and put back in Hugging Face's layout, undoing what llama.cpp's converter did to it:
 - ``llama``: the rows of each Q/K head interleaved (``permute``), weights and biases;
 - ``gemma2``/``gemma3``: ``1`` added to every RMSNorm weight (llama.cpp's norm has no ``1 + w``).
   Subtracting it back is exact when the stored value is at least 0.5 (Sterbenz), so the model's
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import gguf
 import numpy as np
 import torch
 
+from flashserve.loaders import gguf_quants
 from flashserve.loaders.gguf_config import ROPE_TENSORS, hf_config_dict
 from flashserve.loaders.gguf_header import Header, TensorInfo, read_header
 from flashserve.models.config import ModelConfig
@@ -130,25 +132,37 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     return gguf_name
 
 
-def iter_weights(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor dequantized to float32 (one at a time), with its Hugging Face name, in
-    Hugging Face's layout. ``config`` gives the head counts that un-permute Q/K (a transformers
-    config built from ``read_hf_config`` serves too)."""
+def iter_weights(
+    file: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor dequantized to float32 on ``device`` (one at a time), with its Hugging Face
+    name, in Hugging Face's layout. ``config`` gives the head counts that un-permute Q/K (a
+    transformers config built from ``read_hf_config`` serves too)."""
     arch = file.architecture
     for tensor in file.tensors:
         if tensor.name in ROPE_TENSORS:
             continue  # read into the config
-        weight = torch.from_numpy(_dequantize(file, tensor))  # [rows, cols] or [n]
+        weight = _dequantize(file, tensor, device)  # [rows, cols] or [n]
         name = hf_name(tensor.name, arch)
         yield name, _to_hf_layout(arch, name, weight, config)
 
 
-def _dequantize(file: GGUFFile, tensor: TensorInfo) -> np.ndarray:
-    """float32, numpy's (row-major) shape, i.e. ggml's dimensions reversed, writable (a
-    float32 tensor's view of the read-only map is copied)."""
-    data = gguf.quants.dequantize(file.raw(tensor), tensor.type)
-    data = data.reshape(tuple(reversed(tensor.shape)))
-    return data if data.flags.writeable else data.copy()
+def _dequantize(
+    file: GGUFFile, tensor: TensorInfo, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """float32 on ``device``, in numpy's (row-major) shape, i.e. ggml's dimensions reversed; a
+    new tensor, never a view of the read-only map. The packed bytes go to ``device`` and torch
+    unpacks them there (``gguf_quants``); types it does not take go through the ``gguf``
+    package on the CPU."""
+    raw = file.raw(tensor)
+    if tensor.type in gguf_quants.TYPES:
+        with warnings.catch_warnings():  # read-only: dequantize writes a new tensor
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            packed = torch.from_numpy(raw)
+        data = gguf_quants.dequantize(packed.to(device), tensor.type)
+    else:
+        data = torch.from_numpy(np.array(gguf.quants.dequantize(raw, tensor.type))).to(device)
+    return data.reshape(tuple(reversed(tensor.shape)))
 
 
 def _to_hf_layout(arch: str, name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -215,7 +215,7 @@ def _load_gguf(path: pathlib.Path, device: str, dtype: torch.dtype, backend,
     except ValueError as exc:  # the file's tokenizer.ggml.* keys, missing or inconsistent
         raise WeightsError(path, str(exc)) from exc
     model = _build(config, backend, device, dtype, fp8, path, tp)
-    weights = gguf_source.iter_weights(file, config)
+    weights = gguf_source.iter_weights(file, config, device)
     if tp.size > 1:
         weights = ((name, model.tensor_shard(name, tuple(w.shape), w.dtype).take(w))
                    for name, w in weights)  # fmt: skip
