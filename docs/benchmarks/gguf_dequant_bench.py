@@ -14,6 +14,7 @@ before it is timed; each of ours is the median of 3 runs after one warm-up, nump
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import time
@@ -85,8 +86,8 @@ def main() -> None:
                 cells.append("-")
         print(f"| {r['type']} | " + " | ".join(cells) + " |")
     if args.json:
-        meta = {"torch": torch.__version__, "gguf": gguf.__version__ if hasattr(gguf, "__version__")
-                else "", "device": device, "threads": torch.get_num_threads()}  # fmt: skip
+        meta = {"torch": torch.__version__, "gguf": importlib.metadata.version("gguf"),
+                "device": device, "threads": torch.get_num_threads()}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -31,6 +31,13 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
     return ((b.unsqueeze(-1) >> shifts) & 1).flatten(1)
 
 
+def _bit_planes(b: torch.Tensor) -> torch.Tensor:
+    """Bit p of byte l at ``p * bytes + l``: ``[blocks, bytes]`` -> ``[blocks, 8 * bytes]``
+    uint8 0/1 (the k-quants' high bits: bit p of byte l belongs to the p-th run of weights)."""
+    shifts = torch.arange(8, device=b.device, dtype=torch.uint8).view(1, 8, 1)
+    return ((b.unsqueeze(1) >> shifts) & 1).flatten(1)
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """ggml's 32-weight nibble layout: the low nibbles of 16 bytes are weights 0-15, their high
     nibbles 16-31. ``qs`` ``[..., 16]`` -> ``[..., 32]``."""
@@ -75,10 +82,14 @@ def _crumbs(qs: torch.Tensor) -> torch.Tensor:
     return ((groups >> shifts.view(1, 1, 4, 1)) & 3).flatten(1)
 
 
-def _per_sub_block(values: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``values`` ``[blocks, 256]`` times ``factor`` ``[blocks, subs]``, each sub-block's."""
+def _per_sub_block(
+    values: torch.Tensor, factor: torch.Tensor, offset: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``values`` ``[blocks, 256]`` times ``factor`` ``[blocks, subs]``, each sub-block's, less
+    ``offset`` ``[blocks, subs]``, each sub-block's, where given."""
     subs = factor.shape[1]
-    return (values.view(-1, subs, 256 // subs) * factor.unsqueeze(-1)).flatten(1)
+    out = values.view(-1, subs, 256 // subs) * factor.unsqueeze(-1)
+    return (out if offset is None else out - offset.unsqueeze(-1)).flatten(1)
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -86,8 +97,7 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     dmin: ``d * scale * q - dmin * min`` over each 16 weights."""
     scales, d, dmin = b[:, :16], _f16(b, 80), _f16(b, 82)
     q = _crumbs(b[:, 16:80]).float()
-    scaled = _per_sub_block(q, d * (scales & 0xF).float())
-    return scaled - _per_sub_block(torch.ones_like(q), dmin * (scales >> 4).float())
+    return _per_sub_block(q, d * (scales & 0xF).float(), dmin * (scales >> 4).float())
 
 
 def _q3_k_scales(s: torch.Tensor) -> torch.Tensor:
@@ -103,8 +113,9 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     """32 bytes of high bits, 64 of 2-bit weights, 12 of scales, d: each weight is its 2 bits
     minus 4 where its high bit is clear, times d * its 16 weights' scale. The high bit of weight
     n * 128 + j * 32 + l is bit 4n + j of byte l."""
-    hbits = _bits(b[:, :32]).view(-1, 32, 2, 4).permute(0, 2, 3, 1).flatten(1)
-    q = _crumbs(b[:, 32:96]).float() - 4 * (1 - hbits).float()
+    hbits = _bit_planes(b[:, :32])
+    q = _crumbs(b[:, 32:96]).to(torch.int8) - ((hbits ^ 1) << 2).to(torch.int8)
+    q = q.float()
     return _per_sub_block(q, _f16(b, 108) * _q3_k_scales(b[:, 96:108]))
 
 
@@ -131,8 +142,7 @@ def _k_affine(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``d * scale * q - dmin * min`` over each 32 weights (Q4_K, Q5_K: d, dmin, then the
     12 bytes of scales and mins)."""
     scales, mins = _k4_scales_mins(b[:, 4:16])
-    scaled = _per_sub_block(q.float(), _f16(b, 0) * scales)
-    return scaled - _per_sub_block(torch.ones_like(scaled), _f16(b, 2) * mins)
+    return _per_sub_block(q.float(), _f16(b, 0) * scales, _f16(b, 2) * mins)
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin, 12 bytes of scales, 128 of nibbles
@@ -142,7 +152,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:  # d, dmin, 12 bytes of scales, 128 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     """Q4_K's layout with 32 bytes of fifth bits before the nibbles: weight g * 64 + h * 32 +
     l (group g, low/high nibble h) takes bit 2g + h of byte l."""
-    high = _bits(b[:, 16:48]).view(-1, 32, 8).transpose(1, 2).flatten(1)
+    high = _bit_planes(b[:, 16:48])
     return _k_affine(b, _k_nibbles(b[:, 48:176]) | (high << 4))
 
 
