@@ -1,11 +1,12 @@
 """GGUF's block quantizations dequantized by torch, on the device the weights go to.
 
-``gguf.quants.dequantize`` runs numpy on one core: 8-40 M weights a second, so an 8B model in
-Q4_K_M took minutes to load. Here the packed bytes (4.5-8.5 bits a weight) go to the device and
-are unpacked there, with the same float32 operations in the same order as llama.cpp's
-``dequantize_row_*`` (``tests/test_gguf_quants.py`` holds every type to the ``gguf`` package's
-values, bit for bit). Types not here (the IQ*, TQ*, MXFP4 families) go through the ``gguf``
-package on the CPU (``dequantize`` returns None for them).
+``gguf.quants.dequantize`` runs numpy on one core: 100-330 M weights a second, 24-80 s for an
+8B model's weights (``docs/benchmarks/load.md``). Here the packed bytes (4.5-8.5 bits a weight)
+go to the device and are unpacked there (an H200: 0.4-1.9 s for 8B weights), with the same
+float32 operations in the same order as llama.cpp's ``dequantize_row_*``
+(``tests/test_gguf_quants.py`` holds every type to the ``gguf`` package's values, bit for
+bit). Types not here (the IQ*, TQ*, MXFP4 families) go through the ``gguf`` package on the CPU
+(``dequantize`` returns None for them).
 
 Each function takes ``b``, uint8 ``[blocks, bytes a block]``, and returns float32 ``[blocks,
 weights a block]``. The formats are llama.cpp's ``block_*`` structs (``ggml-common.h``).
