@@ -80,7 +80,27 @@ class Cursor:
             raise Corrupt(f"an array of unknown value type {item}")
         if count > len(self.data):  # each item takes 8 bytes or more: a corrupt count
             raise Overrun
+        if item == _STRING:
+            return self.strings(count)
         return [self.value(item) for _ in range(count)]
+
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row: ``string`` inlined (a vocabulary and its merges are
+        hundreds of thousands of them: half the time of a call each)."""
+        data, pos, end = self.data, self.pos, len(self.data)
+        length = struct.Struct("<Q").unpack_from
+        out = []
+        for _ in range(count):
+            if end - pos < 8:
+                raise Overrun
+            (n,) = length(data, pos)
+            pos += 8
+            if n > end - pos:
+                raise Overrun
+            out.append(data[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
 
 
 def read_prefix(file: Path, data: bytes | mmap.mmap) -> tuple[int, int, dict[str, Any], int]:
