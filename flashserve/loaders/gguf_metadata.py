@@ -58,9 +58,7 @@ class Cursor:
         return value
 
     def string(self) -> str:
-        n = self.scalar("Q")
-        at = self.skip(n)
-        return self.data[at : at + n].decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:
@@ -85,8 +83,9 @@ class Cursor:
         return [self.value(item) for _ in range(count)]
 
     def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row: ``string`` inlined (a vocabulary and its merges are
-        hundreds of thousands of them: half the time of a call each)."""
+        """``count`` strings in a row, each a u64 length and UTF-8 bytes, read in one loop (a
+        vocabulary and its merges are hundreds of thousands of them: half the time of a call
+        each)."""
         data, pos, end = self.data, self.pos, len(self.data)
         length = struct.Struct("<Q").unpack_from
         out = []
