@@ -67,6 +67,10 @@ CALLS = 20
 # more warps a program over the same rows per SM, and wider tiles
 READ_TILES = [(16, 256, 1, 6), (16, 512, 1, 4), (32, 256, 1, 6), (64, 256, 4, 4),
               (32, 512, 4, 4), (16, 1024, 4, 3), (128, 128, 2, 4), (8, 512, 1, 6)]  # fmt: skip
+# the engine's kernel at other one-warp diag tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages):
+# deeper pipelines, shorter and longer K steps (kernels.gemv takes BLOCK_N >= 16 on tl.dot)
+ENGINE_TILES = [(16, 256, 1, 1, 8), (16, 128, 1, 1, 8), (16, 512, 1, 1, 4), (16, 256, 1, 1, 6),
+                (32, 256, 1, 1, 6)]  # fmt: skip
 GEMV_TMA_TILES = [(16, 256, 1, 6), (16, 256, 1, 8), (32, 256, 1, 6), (16, 512, 1, 4),
                   (64, 256, 4, 4), (128, 128, 2, 4)]  # fmt: skip
 
@@ -185,6 +189,14 @@ def shape_calls(name: str, n: int, k: int, dev: str, variants: set) -> tuple[dic
         checks[label] = rel_err(linear_small_m(x, ws[0], out=out, weight_scale=ss[0])[0], ref)
         calls[label] = [lambda w=w, s=s, o=out: linear_small_m(x, w, out=o, weight_scale=s)
                         for w, s in zip(ws, ss)]  # fmt: skip
+        for cfg in ENGINE_TILES:
+            if n % cfg[0] or k % cfg[1]:
+                continue
+            label = f"engine {cfg}"
+            run = lambda w, s, o, c=cfg: linear_small_m(x, w, out=o, weight_scale=s,  # noqa: E731
+                                                        config=c, diag=True)  # fmt: skip
+            checks[label] = rel_err(run(ws[0], ss[0], out)[0], ref)
+            calls[label] = [lambda w=w, s=s, o=out: run(w, s, o) for w, s in zip(ws, ss)]
     w32s = [w.view(torch.int32) for w in ws]
     for tile in READ_TILES:
         bn, bk = tile[:2]
