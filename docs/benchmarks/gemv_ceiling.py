@@ -68,9 +68,10 @@ CALLS = 20
 READ_TILES = [(16, 256, 1, 6), (16, 512, 1, 4), (32, 256, 1, 6), (64, 256, 4, 4),
               (32, 512, 4, 4), (16, 1024, 4, 3), (128, 128, 2, 4), (8, 512, 1, 6)]  # fmt: skip
 # the engine's kernel at other one-warp diag tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages):
-# deeper pipelines, shorter and longer K steps (kernels.gemv takes BLOCK_N >= 16 on tl.dot)
+# deeper pipelines, shorter and longer K steps, K split in 2 and 4 (more programs an SM;
+# kernels.gemv takes BLOCK_N >= 16 on tl.dot)
 ENGINE_TILES = [(16, 256, 1, 1, 8), (16, 128, 1, 1, 8), (16, 512, 1, 1, 4), (16, 256, 1, 1, 6),
-                (32, 256, 1, 1, 6)]  # fmt: skip
+                (32, 256, 1, 1, 6), (16, 256, 2, 1, 6), (16, 256, 4, 1, 6)]  # fmt: skip
 GEMV_TMA_TILES = [(16, 256, 1, 6), (16, 256, 1, 8), (32, 256, 1, 6), (16, 512, 1, 4),
                   (64, 256, 4, 4), (128, 128, 2, 4)]  # fmt: skip
 
