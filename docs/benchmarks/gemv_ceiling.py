@@ -197,7 +197,7 @@ def shape_calls(name: str, n: int, k: int, dev: str, variants: set) -> tuple[dic
             run = lambda w, s, o, c=cfg: linear_small_m(x, w, out=o, weight_scale=s,  # noqa: E731
                                                         config=c, diag=True)  # fmt: skip
             checks[label] = rel_err(run(ws[0], ss[0], out)[0], ref)
-            calls[label] = [lambda w=w, s=s, o=out: run(w, s, o) for w, s in zip(ws, ss)]
+            calls[label] = [lambda w=w, s=s, o=out, r=run: r(w, s, o) for w, s in zip(ws, ss)]
     w32s = [w.view(torch.int32) for w in ws]
     for tile in READ_TILES:
         bn, bk = tile[:2]
