@@ -2,7 +2,8 @@
 # first 200 from /health, with an empty Triton cache (every kernel variant the CUDA-graph
 # capture needs compiled then), for this tree and an older one (OLD, default .carry/old),
 # alternated; then once more with the cache the first start left (the warm start).
-# $MODEL (dummy:llama3.1-8b) and this script's arguments are the server's options.
+# $MODEL (dummy:llama3.1-8b) and this script's arguments are the server's options; OLD=none
+# times this tree alone (a cold start, then a warm one).
 #   run: TREE=<commit> bash docs/benchmarks/device/startup.sh   carry: [".whl", ".carry/old"]
 source docs/benchmarks/device/setup.sh
 OLD=${OLD:-.carry/old}
@@ -22,7 +23,7 @@ start() {  # name dir cache [server options]: the time to healthy, or the log's 
   kill -INT $pid; wait $pid
 }
 start new_cold . /tmp/tc-new "$@"
-start old_cold "$OLD" /tmp/tc-old "$@"
+[ "$OLD" = none ] || start old_cold "$OLD" /tmp/tc-old "$@"
 start new_warm . /tmp/tc-new "$@"
-start old_warm "$OLD" /tmp/tc-old "$@"
+[ "$OLD" = none ] || start old_warm "$OLD" /tmp/tc-old "$@"
 pack
