@@ -232,18 +232,22 @@ def shape_calls(name: str, n: int, k: int, dev: str, variants: set) -> tuple[dic
 def bench(args) -> None:
     dev = DEV
     t0 = time.perf_counter()
-    meta = {"device": "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
-            time.gmtime()), "argv": sys.argv[1:]}  # fmt: skip
+    device = "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name()
+    meta = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "argv": sys.argv[1:]}  # fmt: skip
     print(json.dumps(meta), flush=True)
     copy = copy_bandwidth()
-    rows = 1 << (5 if SMOKE else 14)  # 1 GB: 16,384 rows of 64 KB
-    big = torch.randint(-2**31, 2**31 - 1, (rows, 1 << 14), device=dev, dtype=torch.int32)
+    big_rows = 1 << (5 if SMOKE else 14)  # 1 GB: 16,384 rows of 64 KB
+    big = torch.randint(-(2**31), 2**31 - 1, (big_rows, 1 << 14), device=dev, dtype=torch.int32)
     big_out = torch.empty(big.shape[0] // 16, device=dev, dtype=torch.int32)
-    big_us = graph_time([lambda: read(big, big_out, (16, 1024, 4, 3))], min_calls=4)
+    big_us = graph_time([lambda b=big, o=big_out: read(b, o, (16, 1024, 4, 3))], min_calls=4)
     big_gbs = big.numel() * 4 / big_us / 1e3
-    print(f"copy {copy:.0f} GB/s; read of 1 GB {big_gbs:.0f} GB/s "
-          f"({100 * big_gbs / copy:.1f}% of copy)", flush=True)
+    print(
+        f"copy {copy:.0f} GB/s; read of 1 GB {big_gbs:.0f} GB/s "
+        f"({100 * big_gbs / copy:.1f}% of copy)",
+        flush=True,
+    )
     del big, big_out
     variants = set(args.variants.split(","))
     shapes = [s for s in args.shapes.split(",")]
@@ -270,19 +274,32 @@ def bench(args) -> None:
         ideal = n * k / copy / 1e3  # µs at the copy rate
         for label, ts in times.get(name, {}).items():
             us = statistics.median(ts)
-            rows.append({"shape": name, "variant": label, "us": round(us, 2),
-                         "rounds": [round(t, 2) for t in ts], "ideal_us": round(ideal, 2),
-                         "pct_copy": round(100 * ideal / us, 1), "check": errors[name][label]})
-    print(f"\ncopy {copy:.0f} GB/s, a pure read of 1 GB {big_gbs:.0f} GB/s; µs (% of copy), "
-          f"medians of {args.rounds} rounds")
+            rows.append(
+                {
+                    "shape": name,
+                    "variant": label,
+                    "us": round(us, 2),
+                    "rounds": [round(t, 2) for t in ts],
+                    "ideal_us": round(ideal, 2),
+                    "pct_copy": round(100 * ideal / us, 1),
+                    "check": errors[name][label],
+                }
+            )
+    print(
+        f"\ncopy {copy:.0f} GB/s, a pure read of 1 GB {big_gbs:.0f} GB/s; µs (% of copy), "
+        f"medians of {args.rounds} rounds"
+    )
     for row in rows:
-        print(f"{row['shape']:8} {row['variant']:34} {row['us']:7.2f} ({row['pct_copy']:5.1f}%)"
-              f"  ideal {row['ideal_us']:.2f}")
+        print(
+            f"{row['shape']:8} {row['variant']:34} {row['us']:7.2f} ({row['pct_copy']:5.1f}%)"
+            f"  ideal {row['ideal_us']:.2f}"
+        )
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "copy_gbs": copy, "read_1gb_gbs": big_gbs, "rows": rows},
-                      f, indent=1)
+            json.dump(
+                {"meta": meta, "copy_gbs": copy, "read_1gb_gbs": big_gbs, "rows": rows}, f, indent=1
+            )
 
 
 def sm90_report() -> None:
