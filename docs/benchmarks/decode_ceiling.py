@@ -41,6 +41,7 @@ from kernels.bench import (  # noqa: E402
     kv_bytes,
     n_sets,
 )
+from kernels.common import pdl_enter, pdl_kwargs  # noqa: E402
 from kernels.decode import decode_attention  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 128
@@ -54,9 +55,12 @@ if SMOKE:  # TRITON_INTERPRET=1: toy sizes on the CPU, a check of the script onl
 
 @triton.jit
 def _read_pages_kernel(K, V, KS, VS, BT, Out, width, per_split, stride_bt, PAGE: tl.constexpr,
-                       D4: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                       D4: tl.constexpr, STAGES: tl.constexpr,
+                       CHAIN: tl.constexpr = False):  # fmt: skip
     """Out[b, s] = the xor of the K and V words and scales of sequence b's pages [s per_split,
-    (s + 1) per_split) (pools as int32 [N, PAGE * D4], scales as int16 [N, PAGE])."""
+    (s + 1) per_split) (pools as int32 [N, PAGE * D4], scales as int16 [N, PAGE]). CHAIN: in
+    the PDL chain, as the decode kernel is (``kernels.common.pdl_enter``)."""
+    pdl_enter(CHAIN)
     b = tl.program_id(0)
     s = tl.program_id(1)
     offs = tl.arange(0, PAGE)[:, None] * D4 + tl.arange(0, D4)[None, :]
@@ -81,13 +85,15 @@ def _views(pools: dict) -> tuple:
     return k, v, ks, vs
 
 
-def read_pages(pools: dict, bt: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+def read_pages(pools: dict, bt: torch.Tensor, out: torch.Tensor, tile: tuple,
+               chain: bool = False) -> torch.Tensor:  # fmt: skip
     splits, warps, stages = tile
     width = bt.shape[1]
     per_split = -(-width // splits)
     _read_pages_kernel[(bt.shape[0], splits)](*_views(pools), bt, out, width, per_split,
                                               bt.stride(0), PAGE=PAGE, D4=D // 4, STAGES=stages,
-                                              num_warps=warps)  # fmt: skip
+                                              num_warps=warps,
+                                              **pdl_kwargs(bt.device, chain))  # fmt: skip
     return out
 
 
@@ -130,12 +136,13 @@ def point_calls(ctx: int) -> tuple[dict, dict]:
         if tile[0] > width:
             continue
         out = torch.empty(bsz, tile[0], device=DEV, dtype=torch.int32)
-        label = f"read {tile}"
-        checks[label] = int(
-            (read_pages(pools0, bt0, out, tile).cpu() != read_ref(pools0, bt0, tile[0])).sum()
-        )
-        calls[label] = [lambda p=p, bt=bt, o=out, t=tile: read_pages(p, bt, o, t)
-                        for _, p, bt, _ in inp.sets]  # fmt: skip
+        want = read_ref(pools0, bt0, tile[0])
+        for chain in (False, True):
+            label = f"read{'-pdl' if chain else ''} {tile}"
+            got = read_pages(pools0, bt0, out, tile, chain).cpu()
+            checks[label] = int((got != want).sum())
+            calls[label] = [lambda p=p, bt=bt, o=out, t=tile, c=chain: read_pages(p, bt, o, t, c)
+                            for _, p, bt, _ in inp.sets]  # fmt: skip
     return calls, checks
 
 

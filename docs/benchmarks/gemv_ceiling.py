@@ -48,6 +48,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kernels.bench import DEV, SMOKE, copy_bandwidth, graph_time  # noqa: E402
+from kernels.common import pdl_enter, pdl_kwargs  # noqa: E402
 from kernels.gemv import gemv_config, linear_small_m  # noqa: E402
 from kernels.quant import quantize_per_channel  # noqa: E402
 
@@ -77,8 +78,11 @@ GEMV_TMA_TILES = [(16, 256, 1, 6), (16, 256, 1, 8), (32, 256, 1, 6), (16, 512, 1
 
 
 @triton.jit
-def _read_kernel(W, Out, K4, BLOCK_N: tl.constexpr, BK4: tl.constexpr, STAGES: tl.constexpr):
-    """Out[p] = the xor of W's int32 words [p BLOCK_N : (p + 1) BLOCK_N, :] (W [N, K4])."""
+def _read_kernel(W, Out, K4, BLOCK_N: tl.constexpr, BK4: tl.constexpr, STAGES: tl.constexpr,
+                 CHAIN: tl.constexpr = False):  # fmt: skip
+    """Out[p] = the xor of W's int32 words [p BLOCK_N : (p + 1) BLOCK_N, :] (W [N, K4]).
+    CHAIN: in the PDL chain as the engine's kernels are (``kernels.common.pdl_enter``)."""
+    pdl_enter(CHAIN)
     pid = tl.program_id(0)
     rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ptrs = W + rows[:, None] * K4 + tl.arange(0, BK4)[None, :]
@@ -125,11 +129,11 @@ def _gemv_tma_kernel(desc, X, S, Out, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     tl.store(Out + rows, out.to(Out.dtype.element_ty))
 
 
-def read(w32: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+def read(w32: torch.Tensor, out: torch.Tensor, tile: tuple, chain: bool = False) -> torch.Tensor:
     bn, bk, warps, stages = tile
     n, k4 = w32.shape
     _read_kernel[(n // bn,)](w32, out, k4, BLOCK_N=bn, BK4=bk // 4, STAGES=stages,
-                             num_warps=warps)  # fmt: skip
+                             num_warps=warps, **pdl_kwargs(w32.device, chain))  # fmt: skip
     return out
 
 
@@ -205,10 +209,13 @@ def shape_calls(name: str, n: int, k: int, dev: str, variants: set) -> tuple[dic
             continue
         out = torch.empty(n // bn, device=dev, dtype=torch.int32)
         want = xor_ref(w32s[0], bn)
-        if "read" in variants:
-            label = f"read {tile}"
-            checks[label] = int((read(w32s[0], out, tile).cpu() != want).sum())
-            calls[label] = [lambda w=w, t=tile, o=out: read(w, o, t) for w in w32s]
+        for chain in (False, True):
+            kind = "read-pdl" if chain else "read"
+            if kind not in variants:
+                continue
+            label = f"{kind} {tile}"
+            checks[label] = int((read(w32s[0], out, tile, chain).cpu() != want).sum())
+            calls[label] = [lambda w=w, t=tile, o=out, c=chain: read(w, o, t, c) for w in w32s]
         if "read-tma" in variants and TensorDescriptor is not None:
             label = f"read-tma {tile}"
             descs = [read_desc(w, tile) for w in w32s]
@@ -227,6 +234,57 @@ def shape_calls(name: str, n: int, k: int, dev: str, variants: set) -> tuple[dic
             calls[label] = [lambda d=d, s=s, t=tile, o=out: gemv_tma(d, x, s, o, n, k, t)
                             for d, s in zip(descs, ss)]  # fmt: skip
     return calls, checks
+
+
+# --layer: a decode layer's four projections in order, as one sequence of launches (each
+# projection's copies rotated), the engine's GEMVs against reads on the engine's grid and on
+# the best read tiles of the per-shape run, each without and with the PDL chain
+LAYER = ("qkv", "o_proj", "gate_up", "down")
+LAYER_READ_TILES = {
+    "engine's grid": {name: (16, 256, 1, 6) for name in LAYER},
+    "best tiles": {"qkv": (8, 512, 1, 6), "o_proj": (8, 512, 1, 6), "gate_up": (16, 1024, 4, 3),
+                   "down": (8, 512, 1, 6)},
+}  # fmt: skip
+if SMOKE:
+    LAYER_READ_TILES = {"toy": {name: (16, 256, 1, 2) for name in LAYER}}
+
+
+def layer_calls(dev: str, copies: int = 2) -> dict:
+    """{label: calls}: ``copies`` layers' projections, each a sequence qkv, o_proj, gate_up,
+    down (the kernels checked per shape before)."""
+    ws = {name: [quantize_per_channel(torch.randn(*SHAPES[name], device=dev,
+                                                  dtype=torch.bfloat16) * 0.02)
+                 for _ in range(copies)] for name in LAYER}  # fmt: skip
+    xs = {m: torch.randn(1, SHAPES[m][1], device=dev, dtype=torch.bfloat16) for m in LAYER}
+    outs = {m: torch.empty(1, SHAPES[m][0], device=dev, dtype=torch.bfloat16) for m in LAYER}
+    calls = {"engine": [lambda x=xs[m], q=ws[m][c][0], s=ws[m][c][1], o=outs[m]:
+                        linear_small_m(x, q, out=o, weight_scale=s)
+                        for c in range(copies) for m in LAYER]}  # fmt: skip
+    for label, tiles in LAYER_READ_TILES.items():
+        for chain in (False, True):
+            seq = []
+            for c in range(copies):
+                for m in LAYER:
+                    w32 = ws[m][c][0].view(torch.int32)
+                    o = torch.empty(SHAPES[m][0] // tiles[m][0], device=dev, dtype=torch.int32)
+                    seq.append(lambda w=w32, o=o, t=tiles[m], ch=chain: read(w, o, t, ch))
+            calls[f"read{'-pdl' if chain else ''}, {label}"] = seq
+    return calls
+
+
+def time_layer(dev: str, rounds: int, copy: float) -> list[dict]:
+    """µs a layer (4 launches) of each ``layer_calls`` variant, rounds alternated."""
+    calls = layer_calls(dev)
+    times: dict = {}
+    for r in range(rounds):
+        for label in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+            us = graph_time(calls[label], min_calls=2 * len(calls[label]))
+            times.setdefault(label, []).append(4 * us)
+    ideal = sum(SHAPES[m][0] * SHAPES[m][1] for m in LAYER) / copy / 1e3
+    return [{"shape": "layer", "variant": label, "us": round(statistics.median(ts), 2),
+             "rounds": [round(t, 2) for t in ts], "ideal_us": round(ideal, 2),
+             "pct_copy": round(100 * ideal / statistics.median(ts), 1), "check": "per shape"}
+            for label, ts in times.items()]  # fmt: skip
 
 
 def bench(args) -> None:
@@ -285,6 +343,8 @@ def bench(args) -> None:
                     "check": errors[name][label],
                 }
             )
+    if args.layer:
+        rows += time_layer(dev, args.rounds, copy)
     print(
         f"\ncopy {copy:.0f} GB/s, a pure read of 1 GB {big_gbs:.0f} GB/s; µs (% of copy), "
         f"medians of {args.rounds} rounds"
@@ -339,7 +399,8 @@ def sm90_report() -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="o_proj,qkv,down,gate_up")
-    p.add_argument("--variants", default="engine,read,read-tma,gemv-tma")
+    p.add_argument("--variants", default="engine,read,read-pdl,read-tma,gemv-tma")
+    p.add_argument("--layer", action="store_true", help="a layer's four launches in order too")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--sm90-report", action="store_true")
