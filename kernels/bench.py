@@ -101,6 +101,17 @@ def bench_time(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
 
 
+def run_meta() -> dict:
+    """A measurement script's record of its run: the device, torch's and Triton's versions, the
+    date (UTC) and the script's arguments (``docs/benchmarks/*_ceiling.py``)."""
+    import triton
+
+    device = "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name()
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "argv": sys.argv[1:]}  # fmt: skip
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, GB/s counting bytes read + written."""
     n = 1 << 20 if SMOKE else 2 << 30

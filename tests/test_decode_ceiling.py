@@ -5,26 +5,14 @@ interpreter (conftest.py), at the script's toy sizes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not importable on this machine")
 
+import bench_scripts  # noqa: E402
 
-def _load():
-    path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "decode_ceiling.py"
-    spec = importlib.util.spec_from_file_location("decode_ceiling", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-dc = _load()
+dc = bench_scripts.load("decode_ceiling")
 
 
 @pytest.mark.parametrize("splits", [1, 3, 4])

@@ -5,28 +5,15 @@ Triton's interpreter (conftest.py), on the script's toy shapes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not importable on this machine")
 
+import bench_scripts  # noqa: E402
 from tensor_checks import DEVICE  # noqa: E402
 
-
-def _load():
-    path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "gemv_ceiling.py"
-    spec = importlib.util.spec_from_file_location("gemv_ceiling", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = bench_scripts.load("gemv_ceiling")
 
 
 def test_every_variant_passes_its_check():

@@ -13,30 +13,17 @@ intermediate rounded to fp16 before the next GEMV reads it, in the reference too
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not importable on this machine")
 
+import bench_scripts  # noqa: E402
 from tensor_checks import DEVICE, GEMV_TOL, assert_close  # noqa: E402
 
 from kernels.quant import quantize_per_channel  # noqa: E402
 
-
-def _load():
-    path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "persistent_gemv.py"
-    spec = importlib.util.spec_from_file_location("persistent_gemv", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclass looks its module up)
-    spec.loader.exec_module(module)
-    return module
-
-
-pg = _load()
+pg = bench_scripts.load("persistent_gemv")
 DT = torch.float16
 NAMES = ("qkv", "r1", "h", "out")
 # (H, I, NQ) and the tile. NQ a multiple of no tile's rows (the last tile moved back over the

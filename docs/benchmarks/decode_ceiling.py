@@ -40,6 +40,7 @@ from kernels.bench import (  # noqa: E402
     graph_time,
     kv_bytes,
     n_sets,
+    run_meta,
 )
 from kernels.common import pdl_enter, pdl_kwargs  # noqa: E402
 from kernels.decode import decode_attention  # noqa: E402
@@ -148,10 +149,7 @@ def point_calls(ctx: int) -> tuple[dict, dict]:
 
 def bench(args) -> None:
     t0 = time.perf_counter()
-    device = "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name()
-    meta = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "argv": sys.argv[1:]}  # fmt: skip
+    meta = run_meta()
     print(json.dumps(meta), flush=True)
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)

@@ -47,7 +47,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from kernels.bench import DEV, SMOKE, copy_bandwidth, graph_time  # noqa: E402
+from kernels.bench import DEV, SMOKE, copy_bandwidth, graph_time, run_meta  # noqa: E402
 from kernels.common import pdl_enter, pdl_kwargs  # noqa: E402
 from kernels.gemv import gemv_config, linear_small_m  # noqa: E402
 from kernels.quant import quantize_per_channel  # noqa: E402
@@ -290,10 +290,7 @@ def time_layer(dev: str, rounds: int, copy: float) -> list[dict]:
 def bench(args) -> None:
     dev = DEV
     t0 = time.perf_counter()
-    device = "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name()
-    meta = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "argv": sys.argv[1:]}  # fmt: skip
+    meta = run_meta()
     print(json.dumps(meta), flush=True)
     copy = copy_bandwidth()
     big_rows = 1 << (5 if SMOKE else 14)  # 1 GB: 16,384 rows of 64 KB
