@@ -102,12 +102,14 @@ def bench_time(fn: Callable[[], object]) -> float:
 
 
 def run_meta() -> dict:
-    """A measurement script's record of its run: the device, torch's and Triton's versions, the
-    date (UTC) and the script's arguments (``docs/benchmarks/*_ceiling.py``)."""
+    """A benchmark's record of its run: the device, torch's, Triton's and Python's versions, the
+    date (UTC) and the command's arguments (this module, ``kernels.bench_gemv`` and
+    ``kernels.bench_fp8``, ``docs/benchmarks/*_ceiling.py``)."""
     import triton
 
     device = "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name()
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "argv": sys.argv[1:]}  # fmt: skip
 
@@ -719,12 +721,8 @@ def main(argv=None) -> None:
                                     args.window_context % 16):  # fmt: skip
         ap.error("--window and --window-context must be positive multiples of 16 (the page)")
 
-    import triton
-
     meta = {
-        "device": "cpu (interpreter smoke test)" if SMOKE else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **run_meta(),
         "command": " ".join([sys.executable.split("/")[-1], "-m", "kernels.bench", *sys.argv[1:]]),
         "kv_dtype": args.kv_dtype,
     }  # fmt: skip

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 
 import torch
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 from kernels import quant
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from kernels.bench import SMOKE, copy_bandwidth, graph_time
+from kernels.bench import SMOKE, copy_bandwidth, graph_time, run_meta
 from kernels.gemv import _num_sms, gemv_config, linear_small_m, split_k_for
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -173,13 +172,9 @@ def print_table(rows: list[dict], copy_gbs: float) -> None:
 def start() -> tuple[float, int, dict, float]:
     """A run's start: (its clock, the SM count, the run's metadata, the copy bandwidth in GB/s),
     the metadata and the bandwidth printed (kernels.bench_gemv and kernels.bench_fp8)."""
-    import triton
-
     t0 = time.perf_counter()
     sms = _num_sms(torch.device(DEV))
-    meta = {"device": "cpu (TRITON_INTERPRET)" if SMOKE else torch.cuda.get_device_name(),
-            "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version()}  # fmt: skip
+    meta = {**run_meta(), "sms": sms}
     print(json.dumps(meta), flush=True)
     copy_gbs = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)

@@ -165,7 +165,7 @@ def bench(args) -> None:
                     continue
                 times.setdefault(ctx, {}).setdefault(label, []).append(graph_time(fns))
             del calls
-            torch.cuda.empty_cache() if not SMOKE else None
+            torch.cuda.empty_cache()
             print(f"round {r} {ctx} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = []
     for ctx in CONTEXTS:

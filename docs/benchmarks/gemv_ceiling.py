@@ -174,9 +174,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def shape_calls(name: str, n: int, k: int, dev: str, variants: set) -> tuple[dict, dict]:
-    """Every variant of one shape as a list of calls over the rotated weight copies, each
-    checked first: ({label: calls}, {label: error or mismatch})."""
+def shape_calls(name: str, dev: str, variants: set) -> tuple[dict, dict]:
+    """Every variant of one shape (``SHAPES[name]``) as a list of calls over the rotated weight
+    copies, each checked first: ({label: calls}, {label: error or mismatch})."""
+    n, k = SHAPES[name]
     copies = max(2, math.ceil(ROTATE_BYTES / (n * k)))
     ws, ss = [], []
     for _ in range(copies):  # quantized one copy at a time
@@ -310,8 +311,7 @@ def bench(args) -> None:
     errors: dict = {}
     for r in range(args.rounds):
         for name in shapes if r % 2 == 0 else shapes[::-1]:
-            n, k = SHAPES[name]
-            calls, checks = shape_calls(name, n, k, dev, variants)
+            calls, checks = shape_calls(name, dev, variants)
             for label, fns in calls.items():
                 err = checks[label]
                 errors.setdefault(name, {})[label] = err
