@@ -280,12 +280,17 @@ def time_layer(dev: str, rounds: int, copy: float) -> list[dict]:
     for r in range(rounds):
         for label in list(calls) if r % 2 == 0 else list(calls)[::-1]:
             us = graph_time(calls[label], min_calls=2 * len(calls[label]))
-            times.setdefault(label, []).append(4 * us)
+            times.setdefault(label, []).append(len(LAYER) * us)
     ideal = sum(SHAPES[m][0] * SHAPES[m][1] for m in LAYER) / copy / 1e3
-    return [{"shape": "layer", "variant": label, "us": round(statistics.median(ts), 2),
-             "rounds": [round(t, 2) for t in ts], "ideal_us": round(ideal, 2),
-             "pct_copy": round(100 * ideal / statistics.median(ts), 1), "check": "per shape"}
-            for label, ts in times.items()]  # fmt: skip
+    return [result_row("layer", label, ts, ideal, "per shape") for label, ts in times.items()]
+
+
+def result_row(shape: str, label: str, ts: list, ideal: float, check) -> dict:
+    """One JSON row: the median of a variant's rounds (µs) against ``ideal`` (the copy rate's)."""
+    us = statistics.median(ts)
+    return {"shape": shape, "variant": label, "us": round(us, 2),
+            "rounds": [round(t, 2) for t in ts], "ideal_us": round(ideal, 2),
+            "pct_copy": round(100 * ideal / us, 1), "check": check}  # fmt: skip
 
 
 def bench(args) -> None:
@@ -328,18 +333,7 @@ def bench(args) -> None:
         n, k = SHAPES[name]
         ideal = n * k / copy / 1e3  # µs at the copy rate
         for label, ts in times.get(name, {}).items():
-            us = statistics.median(ts)
-            rows.append(
-                {
-                    "shape": name,
-                    "variant": label,
-                    "us": round(us, 2),
-                    "rounds": [round(t, 2) for t in ts],
-                    "ideal_us": round(ideal, 2),
-                    "pct_copy": round(100 * ideal / us, 1),
-                    "check": errors[name][label],
-                }
-            )
+            rows.append(result_row(name, label, ts, ideal, errors[name][label]))
     if args.layer:
         rows += time_layer(dev, args.rounds, copy)
     print(
